@@ -1,0 +1,106 @@
+"""DynamicJob: the engine's one record per request, from queue to last token."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .sampler import SamplerSettings, make_generator
+from .stops import split_stop_conditions
+
+
+@dataclass
+class PageCopy:
+    """Copy `num_tokens` prompt slots from a sibling page into the job's own page."""
+    src_page: int
+    dst_page: int
+    num_tokens: int
+
+
+class DynamicJob:
+    """A generation request. State fields are owned by the scheduler/generator.
+
+    Scheduling needs only two counters: `num_computed_tokens` (K/V in the cache)
+    and `num_tokens` (prompt + sampled). A job computes the difference, in chunks.
+    """
+
+    def __init__(self, input_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, min_new_tokens: int = 0,
+                 stop_conditions: Optional[Sequence[int | str]] = None,
+                 gen_settings: Optional[SamplerSettings] = None, seed: Optional[int] = None,
+                 identifier: Any = None, return_logits: bool = False, return_top_tokens: int = 0,
+                 return_probs: bool = False, decode_special_tokens: bool = False):
+        self.prompt_ids = _as_id_list(input_ids)
+        if not self.prompt_ids:
+            raise ValueError("empty prompt: a job needs at least one input token")
+        _check_int("max_new_tokens", max_new_tokens, 1)
+        _check_int("min_new_tokens", min_new_tokens, 0)
+        _check_int("return_top_tokens", return_top_tokens, 0)
+        if min_new_tokens > max_new_tokens:
+            raise ValueError(f"min_new_tokens ({min_new_tokens}) exceeds max_new_tokens ({max_new_tokens})")
+        if gen_settings is not None and not isinstance(gen_settings, SamplerSettings):
+            raise TypeError(f"gen_settings must be a SamplerSettings, got {type(gen_settings).__name__}")
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.stop_tokens, self.stop_strings = split_stop_conditions(stop_conditions or [])
+        self.gen_settings = gen_settings or SamplerSettings()
+        self.seed = seed
+        self.identifier = identifier
+        self.return_logits = return_logits
+        self.return_top_tokens = return_top_tokens
+        self.return_probs = return_probs
+        self.decode_special_tokens = decode_special_tokens
+        self.state = JobState(rng=make_generator(seed))
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.state.new_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.state.new_ids[pos - n]
+
+    def __repr__(self) -> str:
+        return (f"DynamicJob(identifier={self.identifier!r}, prompt_tokens={self.prompt_len}, "
+                f"max_new_tokens={self.max_new_tokens})")
+
+
+@dataclass
+class JobState:
+    rng: torch.Generator
+    new_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_table: list[int] = field(default_factory=list)
+    waits: list[tuple[int, int]] = field(default_factory=list)   # (page id, slots that must be valid)
+    copy: Optional[PageCopy] = None
+    cached_tokens: int = 0
+    serial: int = 0
+    time_enqueued: float = 0.0
+    time_started: float = 0.0
+    time_first_token: float = 0.0
+
+
+def _as_id_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise ValueError(f"input_ids tensor must be [n] or [1, n], got shape {tuple(ids.shape)}")
+        return [int(t) for t in ids.tolist()]
+    out = list(ids)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+        raise TypeError("input_ids must be a sequence of int token ids")
+    return out
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

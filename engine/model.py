@@ -1,0 +1,142 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+One forward runs a packed batch: the new tokens of many sequences (prefill
+chunks and single decode tokens) as one [T, hidden] matrix per layer, no padding.
+Only the positions listed in `ForwardBatch.logits_indices` go through the final
+norm and the LM head, in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionMetadata, paged_attention
+from kernels.cache_ops import write_kv
+
+from .config import ModelConfig
+from .rope import apply_rope, rope_inv_freq, rope_table
+from .weights import WeightReader
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor   # [N] int64 rows of the packed batch whose logits are needed
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor       # [H]
+    wqkv: torch.Tensor             # [(Hq + 2 Hkv) * D, H]
+    bqkv: Optional[torch.Tensor]   # [(Hq + 2 Hkv) * D]
+    wo: torch.Tensor               # [H, Hq * D]
+    post_norm: torch.Tensor        # [H]
+    w_gate_up: torch.Tensor        # [2 I, H]
+    w_down: torch.Tensor           # [H, I]
+
+
+class Model:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm           # float32: the head runs in float32
+        self.lm_head = lm_head                 # [V, H] float32
+        cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> "Model":
+        """Load a Hugging Face model directory (config.json + safetensors, sharded or not)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        model_dir = Path(model_dir)
+        config = ModelConfig.load(model_dir)
+        reader = WeightReader(model_dir, DTYPES[dtype], torch.device(device))
+        return _build(config, reader, DTYPES[dtype], torch.device(device))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
+        """Returns float32 logits [N, vocab] for batch.logits_indices."""
+        cfg = self.config
+        x = self.embed[batch.input_ids]                                   # [T, H]
+        cos = self.rope_cos[batch.positions].to(self.dtype)               # [T, D]
+        sin = self.rope_sin[batch.positions].to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, x, cos, sin, batch, cache)
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        h = x[batch.logits_indices].float()                               # [N, H]
+        h = F.rms_norm(h, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head)                                  # [N, V] float32
+
+    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
+        cfg = self.config
+        t = x.shape[0]
+        h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, layer.wqkv, layer.bqkv)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, q_size: q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_size + kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache, v_cache = cache.layer(i)
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
+        return F.linear(o.reshape(t, q_size), layer.wo)
+
+
+def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device) -> Model:
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        wqkv = torch.cat([r.get(p + "self_attn.q_proj.weight", (q_rows, h)),
+                          r.get(p + "self_attn.k_proj.weight", (kv_rows, h)),
+                          r.get(p + "self_attn.v_proj.weight", (kv_rows, h))])
+        bqkv = None
+        if cfg.qkv_bias:
+            bqkv = torch.cat([r.get(p + "self_attn.q_proj.bias", (q_rows,)),
+                              r.get(p + "self_attn.k_proj.bias", (kv_rows,)),
+                              r.get(p + "self_attn.v_proj.bias", (kv_rows,))])
+        gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+                             r.get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h))])
+        layers.append(LayerWeights(
+            input_norm=r.get(p + "input_layernorm.weight", (h,)),
+            wqkv=wqkv, bqkv=bqkv,
+            wo=r.get(p + "self_attn.o_proj.weight", (h, q_rows)),
+            post_norm=r.get(p + "post_attention_layernorm.weight", (h,)),
+            w_gate_up=gate_up,
+            w_down=r.get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+        ))
+    embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
+    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
+    final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
+    return Model(cfg, embed, layers, final_norm, lm_head, dtype, device)

