@@ -101,18 +101,21 @@ class PagePool:
         return complete and page.parent_hash == parent and page.tokens == chunk
 
     def _best_sibling(self, parent: int, want: Sequence[int]) -> tuple[Optional[int], int]:
-        best, best_n = None, 0
+        """Longest shared prefix among the oldest siblings (oldest are the likeliest to be
+        computed already); on equal length a page whose slots are already valid wins."""
+        best, best_key = None, (0, False)
         candidates = self.siblings.get(parent)
         if not candidates or not want:
             return None, 0
-        for pid in islice(reversed(candidates), MAX_SIBLINGS_SCANNED):
+        for pid in islice(candidates, MAX_SIBLINGS_SCANNED):
             page = self.pages[pid]
             n = _common_prefix(page.tokens, want)
             if page.ref_count == 0:
                 n = min(n, page.num_valid)
-            if n > best_n or (n == best_n and n and self.pages[pid].num_valid > self.pages[best].num_valid):
-                best, best_n = pid, n
-        return best, best_n
+            key = (n, page.num_valid >= n)
+            if n and key > best_key:
+                best, best_key = pid, key
+        return best, best_key[0]
 
     # --- ownership --------------------------------------------------------
     def acquire(self, page_id: int) -> None:

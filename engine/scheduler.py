@@ -88,8 +88,8 @@ class Scheduler:
         if src is None or n == 0:
             return
         ready = self.pool.pages[src].num_valid >= n
-        if not ready and n < MIN_TOKENS_TO_WAIT_FOR:
-            return
+        if not ready and not st.waits and n < MIN_TOKENS_TO_WAIT_FOR:
+            return      # not worth waiting for, unless the job waits for its full pages anyway
         self.pool.acquire(src)
         st.copy = PageCopy(src, st.page_table[st.num_computed_tokens // self.pool.page_size], n)
         st.waits.append((src, n))
@@ -114,7 +114,8 @@ class Scheduler:
         decode, prefill = [], []
         for job in self.active:
             todo = job.num_tokens - job.state.num_computed_tokens
-            (decode if todo == 1 else prefill).append(job)
+            if todo > 0:
+                (decode if todo == 1 else prefill).append(job)
         chunks = []
         for job in decode + prefill:
             if budget == 0:

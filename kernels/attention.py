@@ -125,14 +125,19 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence: two batched matmuls in float32 (SDPA's CPU kernel is
+    several times slower at q_len 1)."""
     bd, lmax = meta.decode_slots.shape
-    k = k_flat[meta.decode_slots.view(-1)].view(bd, lmax, *k_flat.shape[1:])   # [Bd, L, Hkv, D]
-    v = v_flat[meta.decode_slots.view(-1)].view(bd, lmax, *v_flat.shape[1:])
-    k = k.to(q.dtype).transpose(1, 2)                                          # [Bd, Hkv, L, D]
-    v = v.to(q.dtype).transpose(1, 2)
-    qs = q[:, :, None, :]                                                      # [Bd, Hq, 1, D]
-    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-    return o[:, :, 0, :]
+    hkv, d = k_flat.shape[1:]
+    group = q.shape[1] // hkv
+    slots = meta.decode_slots.view(-1)
+    k = k_flat[slots].view(bd, lmax, hkv, d).permute(0, 2, 3, 1).float()      # [Bd, Hkv, D, L]
+    v = v_flat[slots].view(bd, lmax, hkv, d).transpose(1, 2).float()           # [Bd, Hkv, L, D]
+    qs = q.view(bd, hkv, group, d).float()                                     # [Bd, Hkv, G, D]
+    scores = torch.matmul(qs, k).mul_(scale)                                   # [Bd, Hkv, G, L]
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    o = torch.matmul(scores.softmax(dim=-1), v)                                # [Bd, Hkv, G, D]
+    return o.view(bd, hkv * group, d).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

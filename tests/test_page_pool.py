@@ -1,0 +1,143 @@
+"""PagePool and Scheduler bookkeeping on tiny configs: exact page ids, LRU order, dedup plans."""
+from __future__ import annotations
+
+import pytest
+
+from engine.job import DynamicJob
+from engine.page_pool import ROOT_HASH, PagePool, chain_hash
+from engine.scheduler import Scheduler
+
+
+def test_allocate_release_free_and_cached_lru_order():
+    pool = PagePool(num_pages=4, page_size=4)
+    a, b = pool.allocate(2)
+    assert (a, b) == (0, 1)
+    pool.register(a, ROOT_HASH, [1, 2, 3, 4])          # full page: hashed, content kept
+    pool.mark_valid(a, 4)
+    pool.release(a)
+    pool.release(b)                                    # no content: back to the free list
+    assert list(pool.cached) == [0]
+    assert list(pool.free) == [2, 3, 1]
+    assert pool.allocate(3) == [2, 3, 1]               # free pages go first
+    assert pool.allocate(1) == [0]                     # then the LRU cached page is evicted
+    assert pool.by_hash == {} and pool.siblings == {}
+
+
+def test_release_more_than_acquired_raises():
+    pool = PagePool(2, 4)
+    (p,) = pool.allocate(1)
+    pool.release(p)
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(p)
+
+
+def test_match_prefix_full_pages_and_partial_sibling():
+    pool = PagePool(8, 4)
+    prompt = [10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32]
+    pages = pool.allocate(3)
+    parent = ROOT_HASH
+    for i, pid in enumerate(pages):
+        parent = pool.register(pid, parent, prompt[i * 4:(i + 1) * 4])
+        pool.mark_valid(pid, len(prompt[i * 4:(i + 1) * 4]))
+    other = [10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 99, 98, 97]
+    m = pool.match_prefix(other, len(other) - 1)
+    assert m.full_pages == pages[:2]
+    assert m.parent_hash == chain_hash(chain_hash(ROOT_HASH, prompt[:4]), prompt[4:8])
+    assert (m.copy_page, m.copy_tokens) == (pages[2], 2)
+
+
+def test_hash_hit_is_verified_against_tokens():
+    pool = PagePool(4, 2)
+    (p,) = pool.allocate(1)
+    pool.register(p, ROOT_HASH, [1, 2])
+    pool.mark_valid(p, 2)
+    # Forge a collision: another chunk's hash points at page p.
+    pool.by_hash[chain_hash(ROOT_HASH, (7, 8))] = p
+    m = pool.match_prefix([7, 8, 9], 2)
+    assert m.full_pages == []
+
+
+def test_unreferenced_page_counts_only_valid_slots():
+    pool = PagePool(4, 4)
+    (p,) = pool.allocate(1)
+    pool.register(p, ROOT_HASH, [1, 2, 3])
+    pool.mark_valid(p, 2)
+    pool.release(p)                                    # cached with 2 of 3 tokens valid
+    m = pool.match_prefix([1, 2, 3, 4, 5], 4)
+    assert (m.copy_page, m.copy_tokens) == (p, 2)
+
+
+def _job(ids, n=1):
+    return DynamicJob(ids, max_new_tokens=n)
+
+
+def test_scheduler_dedups_jobs_admitted_together_and_waits():
+    pool = PagePool(16, 4)
+    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=64)
+    shared = list(range(100, 110))                     # 10 tokens: 2 full pages + 2 tokens
+    a, b = _job(shared + [1, 2, 3]), _job(shared + [4, 5, 6])
+    sched.add(b)
+    sched.add(a)
+    assert [j for _, _, j in sched.queue] == [a, b]    # queue sorted by prompt tokens
+    assert sched.admit() == [a, b]
+    sa, sb = a.state, b.state
+    assert sb.page_table[:2] == sa.page_table[:2]      # b references a's pages
+    assert sb.copy is not None and sb.copy.src_page == sa.page_table[2] and sb.copy.num_tokens == 2
+    assert sb.num_computed_tokens == 10 and sb.cached_tokens == 10
+    assert not sched.ready(b)
+    chunks = sched.plan()
+    assert [(c.job, c.start, c.num_tokens) for c in chunks] == [(a, 0, 13)]
+    for c in chunks:
+        sched.computed(c)
+    assert sched.ready(b)
+    assert [(c.job, c.start, c.num_tokens) for c in sched.plan()] == [(b, 10, 3)]
+
+
+def test_scheduler_reserves_pages_and_queues_when_full():
+    pool = PagePool(4, 4)
+    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=64)
+    jobs = [_job([i] * 5, n=3) for i in range(1, 4)]   # 8 tokens -> 2 pages each
+    for j in jobs:
+        sched.add(j)
+    assert sched.admit() == jobs[:2]
+    assert pool.num_available == 0 and sched.num_queued == 1
+    sched.finish(jobs[0])
+    assert sched.admit() == [jobs[2]]
+
+
+def test_max_batch_size_limits_active_jobs():
+    pool = PagePool(64, 4)
+    sched = Scheduler(pool, max_batch_size=2, max_chunk_size=64)
+    for i in range(5):
+        sched.add(_job([i + 1, 7, 7]))
+    assert len(sched.admit()) == 2 and len(sched.active) == 2
+
+
+def test_chunk_budget_splits_long_prompts():
+    pool = PagePool(64, 4)
+    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=8)
+    job = _job(list(range(1, 21)))
+    sched.add(job)
+    sched.admit()
+    starts = []
+    while job.state.num_computed_tokens < job.prompt_len:
+        (c,) = sched.plan()
+        starts.append((c.start, c.num_tokens))
+        sched.computed(c)
+    assert starts == [(0, 8), (8, 8), (16, 4)]
+
+
+def test_compaction_packs_cached_pages_to_the_front():
+    pool = PagePool(6, 2)
+    pages = pool.allocate(6)
+    for pid, toks in zip(pages[3:], ([1, 2], [3, 4], [5, 6])):
+        pool.register(pid, ROOT_HASH, toks)
+        pool.mark_valid(pid, 2)
+    for pid in pages:
+        pool.release(pid)
+    plan = pool.compaction_plan()
+    assert plan == {3: 0, 4: 1, 5: 2}
+    pool.apply_compaction(plan)
+    assert list(pool.cached) == [0, 1, 2] and list(pool.free) == [3, 4, 5]
+    m = pool.match_prefix([3, 4, 9], 2)
+    assert m.full_pages == [1]
