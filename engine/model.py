@@ -81,15 +81,15 @@ class Model:
     def forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.logits_indices."""
         cfg = self.config
-        x = self.embed[batch.input_ids]                                   # [T, H]
-        cos = self.rope_cos[batch.positions].to(self.dtype)               # [T, D]
-        sin = self.rope_sin[batch.positions].to(self.dtype)
+        x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
+        cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
+        sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, x, cos, sin, batch, cache)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down)
-        h = x[batch.logits_indices].float()                               # [N, H]
+        h = x.index_select(0, batch.logits_indices).float()               # [N, H]
         h = F.rms_norm(h, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head)                                  # [N, V] float32
 

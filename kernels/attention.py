@@ -42,7 +42,10 @@ class PrefillSeq:
 class AttentionMetadata:
     """Built once per forward; read by every layer."""
     cu_seqlens_q: torch.Tensor     # [B + 1] int32
+    cu_seqlens_k: torch.Tensor     # [B + 1] int32 (flash-attn varlen takes both)
     seq_lens_k: torch.Tensor       # [B] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
     page_table: torch.Tensor       # [B, max_pages] int32
     page_size: int
     # torch reference path: single-token (decode) sequences first, batched
@@ -73,7 +76,9 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         prefill.append(PrefillSeq(int(cu[b]), q_lens[b], slots.to(device),
                                   _causal_mask(q_lens[b], seq_lens[b], device)))
     return AttentionMetadata(
-        cu_seqlens_q=cu.to(device), seq_lens_k=lens.to(device), page_table=table.to(device),
+        cu_seqlens_q=cu.to(device), cu_seqlens_k=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
+        seq_lens_k=lens.to(device), max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens),
+        page_table=table.to(device),
         page_size=page_size, num_decode=num_decode,
         decode_slots=None if decode_slots is None else decode_slots.to(device),
         decode_mask=None if decode_mask is None else decode_mask.to(device),
@@ -115,8 +120,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out[: meta.num_decode] = _decode(q[: meta.num_decode], k_flat, v_flat, meta, scale)
     for seq in meta.prefill:
         qs = q[seq.q_start: seq.q_start + seq.q_len].transpose(0, 1)[None]      # [1, Hq, q, D]
-        k = k_flat[seq.slots].to(q.dtype).transpose(0, 1)[None]               # [1, Hkv, L, D]
-        v = v_flat[seq.slots].to(q.dtype).transpose(0, 1)[None]
+        k = k_flat.index_select(0, seq.slots).to(q.dtype).transpose(0, 1)[None]   # [1, Hkv, L, D]
+        v = v_flat.index_select(0, seq.slots).to(q.dtype).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=True)
         out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
@@ -131,8 +136,8 @@ def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     hkv, d = k_flat.shape[1:]
     group = q.shape[1] // hkv
     slots = meta.decode_slots.view(-1)
-    k = k_flat[slots].view(bd, lmax, hkv, d).permute(0, 2, 3, 1).float()      # [Bd, Hkv, D, L]
-    v = v_flat[slots].view(bd, lmax, hkv, d).transpose(1, 2).float()           # [Bd, Hkv, L, D]
+    k = k_flat.index_select(0, slots).view(bd, lmax, hkv, d).permute(0, 2, 3, 1).float()      # [Bd, Hkv, D, L]
+    v = v_flat.index_select(0, slots).view(bd, lmax, hkv, d).transpose(1, 2).float()           # [Bd, Hkv, L, D]
     qs = q.view(bd, hkv, group, d).float()                                     # [Bd, Hkv, G, D]
     scores = torch.matmul(qs, k).mul_(scale)                                   # [Bd, Hkv, G, L]
     scores.masked_fill_(~meta.decode_mask, float("-inf"))
