@@ -1,31 +1,75 @@
-"""The `evalrun` command line. Task subcommands (MMLU, HumanEval) are planned."""
-
+"""The `evalrun` command line."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Optional, Sequence
 
 from evalrun import __version__
+
+EXIT_BAD_INPUT = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="evalrun",
-        description=(
-            "Offline LLM evaluation harness on its own dynamic generator "
-            "(paged KV cache, continuous batching, prefix dedup, prompt caching)."
-        ),
+        description=("Offline LLM evaluation harness on its own dynamic generator "
+                     "(paged KV cache, continuous batching, prefix dedup, prompt caching)."),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    mmlu = sub.add_parser("mmlu", help="MMLU 5-shot (57 subjects, 14,042 questions) by next-token log-probs",
+                          description="Evaluate a model on MMLU in lm-evaluation-harness's default format; "
+                                      "rows land in OUTPUT_DIR as each question finishes, and a rerun resumes.")
+    _model_args(mmlu)
+    mmlu.add_argument("--data-dir", help="local MMLU: cais/mmlu parquet layout (dev.parquet, test.parquet) "
+                                         "or Hendrycks CSV layout (dev/, test/); default: the hub's cais/mmlu")
+    mmlu.add_argument("--subjects", help="comma-separated subjects (default: all)")
+    mmlu.add_argument("--limit", type=int, help="at most N questions per subject")
+    mmlu.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples per prompt (default 5)")
+    _run_args(mmlu)
     return parser
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct demo)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="compute dtype (default bfloat16; on CPUs without AVX512-BF16, float32 is faster)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--cache-mode", default="bf16", choices=["bf16", "fp16", "fp32"], help="KV cache storage")
+    p.add_argument("--cache-tokens", type=int, default=65536, help="KV cache size in tokens (default 65536)")
+    p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default 256)")
+    p.add_argument("--max-batch-size", type=int, help="most jobs running at once (default: as the cache allows)")
+    p.add_argument("--max-chunk-size", type=int, default=2048, help="tokens per forward pass (default 2048)")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
+    p.add_argument("--output-dir", help="run directory (default: runs/<task>-<model name>)")
+    p.add_argument("--overwrite", action="store_true", help="discard an existing run in --output-dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run; returns the exit status."""
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from evalrun.errors import BadInput, as_bad_input
+    try:
+        if args.command == "mmlu":
+            from evalrun.mmlu_cmd import run_mmlu
+            return run_mmlu(args, argv if argv is not None else sys.argv[1:])
+    except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
+        bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
+        if bad is None:
+            raise
+        print(f"evalrun {args.command}: error: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    parser.error(f"unknown command {args.command}")
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""Run a task on the dynamic generator: every request is queued at once; each
+document's row goes to the result store as soon as its last job finishes."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from tqdm import tqdm
+
+from engine import DynamicGenerator, DynamicJob
+from tasks.base import Answer, DocPlan, Task
+
+
+@dataclass
+class RunTotals:
+    docs: int = 0
+    correct: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    wall_time: float = 0.0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    plan: DocPlan
+    answers: list[Answer] = field(default_factory=list)
+
+
+def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
+             emit: Callable[[dict[str, Any]], None], row_base: dict[str, Any],
+             progress: bool = True) -> RunTotals:
+    """Queue every request of `plans`, drain the generator, emit one row per document."""
+    totals = RunTotals()
+    pending: dict[int, _Pending] = {}
+    jobs = []
+    for i, plan in enumerate(plans):
+        if plan.skip_reason is not None:
+            _emit(emit, totals, {**row_base, **_key(task, plan), **plan.info,
+                                 "skipped": True, "skip_reason": plan.skip_reason})
+            continue
+        pending[i] = _Pending(plan)
+        jobs += [DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
+                            identifier=(i, r)) for r in plan.requests]
+    start = time.time()
+    generator.enqueue(jobs)
+    bar = tqdm(total=len(pending), disable=not progress, unit="q", dynamic_ncols=True)
+    while generator.num_remaining_jobs():
+        for result in generator.iterate():
+            if result["eos"]:
+                _collect(task, pending, result, emit, row_base, totals, bar)
+        _postfix(bar, totals, generator, start)
+    bar.close()
+    totals.wall_time = time.time() - start
+    return totals
+
+
+def _collect(task: Task, pending: dict[int, _Pending], result: dict, emit, row_base: dict,
+             totals: RunTotals, bar: tqdm) -> None:
+    index, request = result["identifier"]
+    entry = pending[index]
+    entry.answers.append(Answer(request, result["job"].state.new_ids, result["full_completion"],
+                                result.get("logits"), result["prompt_tokens"], result["cached_tokens"]))
+    totals.prompt_tokens += result["prompt_tokens"]
+    totals.cached_tokens += result["cached_tokens"]
+    if len(entry.answers) < len(entry.plan.requests):
+        return
+    del pending[index]
+    row = {**row_base, **_key(task, entry.plan), **task.score(entry.plan, entry.answers), "skipped": False}
+    _emit(emit, totals, row)
+    bar.update(1)
+
+
+def _emit(emit: Callable[[dict[str, Any]], None], totals: RunTotals, row: dict[str, Any]) -> None:
+    row = {k: v for k, v in row.items() if not k.startswith("_")}
+    emit(row)
+    totals.rows.append(row)
+    if not row.get("skipped"):
+        totals.docs += 1
+        totals.correct += bool(row.get("correct"))
+
+
+def _key(task: Task, plan: DocPlan) -> dict[str, Any]:
+    return dict(zip(task.key_columns, plan.doc_key))
+
+
+def _postfix(bar: tqdm, totals: RunTotals, generator: DynamicGenerator, start: float) -> None:
+    if bar.disable:
+        return
+    stats = generator.stats()
+    elapsed = max(time.time() - start, 1e-9)
+    hit = stats["cached_tokens"] / stats["prompt_tokens"] if stats["prompt_tokens"] else 0.0
+    acc: Optional[float] = totals.correct / totals.docs if totals.docs else None
+    bar.set_postfix(acc="-" if acc is None else f"{acc:.3f}",
+                    tok_s=f"{(stats['prefill_tokens'] + stats['generated_tokens']) / elapsed:.0f}",
+                    cache_hit=f"{hit:.0%}", refresh=False)

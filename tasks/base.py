@@ -1,0 +1,72 @@
+"""The narrow interface between task adapters and the runner.
+
+A task turns documents into `Request`s (token ids plus what to ask the engine),
+and turns the engine's answers back into one scored row per document. The
+runner owns the generator and the result store; a task knows nothing of pages.
+
+    documents -> task.requests() -> [Request ...] -> runner -> engine jobs
+    engine results -> task.score(doc_requests, answers) -> row
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+
+
+class TaskDataError(ValueError):
+    """Malformed task data: names the file and row."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One engine job. `doc_key` groups the requests of one document."""
+    doc_key: tuple
+    input_ids: tuple[int, ...]
+    max_new_tokens: int = 1
+    return_logits: bool = False
+    part: int = 0                       # index of this request within its document
+
+
+@dataclass
+class Answer:
+    """What the engine returned for one Request."""
+    request: Request
+    token_ids: list[int]
+    text: str
+    logits: Optional[torch.Tensor]      # [n_new, vocab] float32 when requested
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class DocPlan:
+    """All requests of one document, or the reason it is skipped."""
+    doc_key: tuple
+    requests: list[Request] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)   # carried into the row
+    skip_reason: Optional[str] = None
+
+
+class Task(Protocol):
+    name: str
+    key_columns: tuple[str, ...]
+
+    def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]: ...
+
+    def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]: ...
+
+    def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+
+    def fingerprint(self) -> str: ...
+
+
+TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
+    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
+        TASKS[name] = factory
+        return factory
+    return deco

@@ -1,0 +1,138 @@
+"""MMLU, exactly as lm-evaluation-harness's default `mmlu` task with --num_fewshot 5.
+
+Prompt (per subject; the preamble is shared by every question, so dedup computes it once):
+    The following are multiple choice questions (with answers) about {subject}.\\n\\n
+    {dev question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\nAnswer: {letter}\\n\\n      x num_fewshot
+    {test question}\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\nAnswer:
+Scored by the log-probabilities (float32 softmax over the full vocabulary) of " A",
+" B", " C", " D" after the prompt; prediction = argmax, ties to the lowest letter. If a
+choice is not a single token, its full log-likelihood is summed over one job per token.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from .base import Answer, DocPlan, Request, TaskDataError, register
+from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
+
+
+def format_question(doc: MMLUDoc) -> str:
+    lines = [doc.question.strip()] + [f"{L}. {c}" for L, c in zip(LETTERS, doc.choices)]
+    return "\n".join(lines) + "\nAnswer:"
+
+
+def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
+    text = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    for shot in shots:
+        text += f"{format_question(shot)} {LETTERS[shot.answer]}\n\n"
+    return text + format_question(doc)
+
+
+@register("mmlu")
+class MMLUTask:
+    name = "mmlu"
+    key_columns = ("subject", "doc_id")
+
+    def __init__(self, data_dir: Optional[str] = None, subjects: Optional[Sequence[str]] = None,
+                 limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None):
+        if not 0 <= num_fewshot <= 5:
+            raise ValueError(f"--num-fewshot must be between 0 and 5, got {num_fewshot}")
+        if limit is not None and limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {limit}")
+        self.data = data or load_mmlu(data_dir)
+        known = sorted(self.data.test)
+        unknown = [s for s in subjects or [] if s not in self.data.test]
+        if unknown:
+            raise TaskDataError(f"unknown subject(s) {', '.join(unknown)}; valid subjects: {', '.join(known)}")
+        self.subjects = list(subjects) if subjects else known
+        self.limit = limit
+        self.num_fewshot = num_fewshot
+        self.choice_ids: list[list[int]] = []
+
+    def fingerprint(self) -> str:
+        spec = f"{self.data.fingerprint}|{self.subjects}|{self.limit}|{self.num_fewshot}"
+        return hashlib.sha256(spec.encode()).hexdigest()[:16]
+
+    def docs(self) -> Iterator[MMLUDoc]:
+        for subject in self.subjects:
+            yield from self.data.test[subject][: self.limit]
+
+    def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
+        self.choice_ids = [tokenizer.encode(" " + L) for L in LETTERS]
+        for doc in self.docs():
+            yield self._plan_doc(doc, tokenizer, max_seq_len, self.choice_ids)
+
+    def _plan_doc(self, doc: MMLUDoc, tokenizer: Any, max_seq_len: int,
+                  choice_ids: list[list[int]]) -> DocPlan:
+        key = (doc.subject, doc.doc_id)
+        longest = max(len(c) for c in choice_ids)
+        for k in range(self.num_fewshot, -1, -1):
+            ids = tokenizer.encode(build_prompt(doc.subject, self.data.dev[doc.subject][:k], doc))
+            if len(ids) + longest <= max_seq_len:
+                info = {"num_fewshot_used": k, "prompt_hash": _hash(ids), "target": LETTERS[doc.answer]}
+                return DocPlan(key, _requests(key, ids, choice_ids), info)
+        return DocPlan(key, info={"num_fewshot_used": 0, "target": LETTERS[doc.answer]},
+                       skip_reason=f"prompt does not fit max_seq_len {max_seq_len} even 0-shot")
+
+    def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
+        logprobs = choice_logprobs(plan.requests[0].input_ids, self.choice_ids, answers)
+        best = max(range(4), key=lambda i: (logprobs[i], -i))          # ties -> lowest letter
+        first = min(answers, key=lambda a: a.request.part)
+        return {
+            **plan.info,
+            "prompt_tokens": first.prompt_tokens,
+            "cached_tokens": first.cached_tokens,
+            "prediction": LETTERS[best],
+            "correct": LETTERS[best] == plan.info["target"],
+            "choice_logprobs": logprobs,
+        }
+
+    def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        scored = [r for r in rows if not r.get("skipped")]
+        per_subject = []
+        for subject in self.subjects:
+            sub = [bool(r["correct"]) for r in scored if r["subject"] == subject]
+            per_subject.append({"subject": subject, **_acc(sub)})
+        overall = _acc([bool(r["correct"]) for r in scored])
+        overall["skipped"] = len(rows) - len(scored)
+        overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
+                                     max(1, sum(1 for s in per_subject if s["n"])))
+        return per_subject, overall
+
+
+def _requests(key: tuple, ids: list[int], choice_ids: list[list[int]]) -> list[Request]:
+    """One job for the next-token logits; extra jobs only for multi-token choices."""
+    prefixes = [tuple(ids)]
+    for c in choice_ids:
+        for j in range(1, len(c)):
+            if tuple(ids + c[:j]) not in prefixes:
+                prefixes.append(tuple(ids + c[:j]))
+    return [Request(key, p, 1, True, i) for i, p in enumerate(prefixes)]
+
+
+def choice_logprobs(base: tuple[int, ...], choice_ids: list[list[int]], answers: list[Answer]) -> list[float]:
+    """Sum of float32 log-softmax log-probabilities of each choice's tokens after `base`."""
+    logprobs = {a.request.input_ids: torch.log_softmax(a.logits[0].float(), dim=-1) for a in answers}
+    out = []
+    for choice in choice_ids:
+        prefix, total = base, 0.0
+        for tok in choice:
+            total += float(logprobs[prefix][tok])
+            prefix = prefix + (tok,)
+        out.append(total)
+    return out
+
+
+def _hash(ids: list[int]) -> str:
+    return hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
+
+
+def _acc(correct: list[bool]) -> dict[str, Any]:
+    n = len(correct)
+    acc = sum(correct) / n if n else float("nan")
+    stderr = math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else float("nan")
+    return {"n": n, "accuracy": acc, "stderr": stderr}
