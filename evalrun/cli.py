@@ -47,6 +47,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
     p.add_argument("--output-dir", help="run directory (default: runs/<task>-<model name>)")
     p.add_argument("--overwrite", action="store_true", help="discard an existing run in --output-dir")
+    p.add_argument("--flush-rows", type=int, default=256, help="write a result part every N rows (default 256)")
+    p.add_argument("--flush-seconds", type=float, default=30.0,
+                   help="... or every T seconds, whichever comes first (default 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -29,7 +29,8 @@ def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
     fp = fingerprint_model_dir(model_dir)
     out_dir = Path(args.output_dir or f"runs/mmlu-{Path(model_dir).name}")
     manifest = _manifest(args, argv, task, fp, model_dir)
-    store = RunStore.open(out_dir, manifest, key_columns=task.key_columns, overwrite=args.overwrite)
+    store = RunStore.open(out_dir, manifest, key_columns=task.key_columns, overwrite=args.overwrite,
+                          flush_rows=args.flush_rows, flush_seconds=args.flush_seconds)
     with store:
         done = store.completed_keys()
         plans = [p for p in task.plan(tokenizer, model.max_seq_len) if p.doc_key not in done]
@@ -57,6 +58,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise BadInput(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.flush_rows < 1 or args.flush_seconds <= 0:
+        raise BadInput("--flush-rows must be >= 1 and --flush-seconds > 0")
     if args.cache_tokens < args.page_size:
         raise BadInput(f"--cache-tokens ({args.cache_tokens}) must be at least --page-size ({args.page_size})")
 

@@ -1,0 +1,27 @@
+"""Run-directory result store: manifest.json, crash-safe sample parts, samples.parquet, summary.
+
+Depends on pandas/pyarrow only (never on engine/, tasks/ or evalrun/).
+"""
+
+from results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
+from results.manifest import environment_info, fingerprint_model_dir, read_manifest, throughput
+from results.schema import SCHEMA_VERSION, Manifest, ModelFingerprint, Throughput
+from results.store import RunStore, read_samples
+from results.summary import write_summary
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Manifest",
+    "ModelFingerprint",
+    "NotARunDirError",
+    "ResumeMismatchError",
+    "RunDirBusyError",
+    "RunStore",
+    "Throughput",
+    "environment_info",
+    "fingerprint_model_dir",
+    "read_manifest",
+    "read_samples",
+    "throughput",
+    "write_summary",
+]

@@ -1,0 +1,66 @@
+"""Crash-safe file writes: temp name in the same dir, fsync, os.replace, fsync the dir.
+
+NOTE: a reader sees either the old file or the complete new one, never a torn file.
+Temp names start with "." so pyarrow.dataset never lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable, IO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from results.schema import TMP_SUFFIX
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write(file)` on a temp file next to `path`, then publish it as `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def to_jsonable(obj: Any) -> Any:
+    """`obj` as it will read back from JSON (tuples become lists, paths strings, ...)."""
+    return json.loads(json.dumps(obj, default=_json_default, allow_nan=False))
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    data = json.dumps(obj, indent=2, default=_json_default, allow_nan=False).encode() + b"\n"
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    atomic_write(path, lambda f: pq.write_table(table, f))

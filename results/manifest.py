@@ -1,0 +1,161 @@
+"""manifest.json helpers: model fingerprints, environment, throughput, identity comparison."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from results.atomic import atomic_write_json
+from results.schema import MANIFEST_FILE, ModelFingerprint, Throughput
+
+MODEL_FILES = ("config.json",)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+SAMPLE_BYTES = 1 << 20  # head and tail sampled from each weight file
+PACKAGES = ("evalrun", "torch", "transformers", "tokenizers", "pandas", "pyarrow", "numpy")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sample_sha256(path: Path) -> str:
+    """Hash of size + first 1 MiB + last 1 MiB: fast on multi-GB files.
+
+    NOTE: an edit confined to the middle of a large file is not detected.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(SAMPLE_BYTES))
+        if size > SAMPLE_BYTES:
+            f.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _weight_entry(path: Path) -> dict[str, Any]:
+    return {"name": path.name, "size": path.stat().st_size, "sample_sha256": _sample_sha256(path)}
+
+
+def fingerprint_model_dir(path: str | Path) -> ModelFingerprint:
+    """Content fingerprints of a model dir (or of a single weights file, e.g. a GGUF).
+
+    Config and tokenizer files and any `*.index.json` are hashed in full; each weight file
+    contributes its name, size and a head+tail sample hash. No mtimes, no absolute paths in
+    the fingerprints, so a copied model fingerprints the same.
+    """
+    path = Path(path).resolve()
+    if path.is_file():
+        weights = [_weight_entry(path)]
+        files: dict[str, Optional[str]] = {}
+        index = None
+    else:
+        files = {
+            name: (_sha256_file(path / name) if (path / name).is_file() else None)
+            for name in MODEL_FILES + TOKENIZER_FILES
+        }
+        indexes = sorted(path.glob("*.index.json"))
+        index = {"name": indexes[0].name, "sha256": _sha256_file(indexes[0])} if indexes else None
+        weights = [
+            _weight_entry(p) for p in sorted(path.iterdir()) if p.is_file() and p.suffix in WEIGHT_SUFFIXES
+        ]
+    model_part = {"config": files.get("config.json"), "index": index, "weights": weights}
+    tokenizer_part = {name: files.get(name) for name in TOKENIZER_FILES}
+    return {
+        "path": str(path),
+        "files": files,
+        "weights_index": index,
+        "weights": weights,
+        "model_fingerprint": _digest(model_part),
+        "tokenizer_fingerprint": _digest(tokenizer_part),
+    }
+
+
+def _git_info(source_dir: Path) -> Optional[dict[str, Any]]:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(source_dir), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment_info() -> dict[str, Any]:
+    """Python version, versions of the installed packages that matter, and evalrun's git sha."""
+    packages = {}
+    for name in PACKAGES:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    spec = importlib.util.find_spec("evalrun")  # locates, does not import
+    git = None
+    if spec is not None and spec.origin is not None:
+        git = _git_info(Path(spec.origin).resolve().parent.parent)
+    return {"python": platform.python_version(), "platform": platform.platform(), "packages": packages, "git": git}
+
+
+def throughput(
+    prompt_tokens: int, prefill_tokens_computed: int, wall_seconds: float, generated_tokens: int = 0
+) -> Throughput:
+    """Throughput fields for manifest["throughput"]; ratios are None when undefined."""
+    per_s = (lambda n: n / wall_seconds) if wall_seconds > 0 else (lambda n: None)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_computed": prefill_tokens_computed,
+        "generated_tokens": generated_tokens,
+        "dedup_ratio": prompt_tokens / prefill_tokens_computed if prefill_tokens_computed else None,
+        "wall_seconds": wall_seconds,
+        "tokens_per_s": per_s(prompt_tokens + generated_tokens),
+        "prefill_tokens_per_s": per_s(prefill_tokens_computed),
+    }
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    with open(Path(run_dir) / MANIFEST_FILE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_manifest(run_dir: str | Path, manifest: dict[str, Any]) -> None:
+    atomic_write_json(Path(run_dir) / MANIFEST_FILE, manifest)
+
+
+_MISSING = "<missing>"
+
+
+def identity_mismatches(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per differing field: "name: stored=... current=..." (empty when equal)."""
+    lines = []
+    for name in list(stored) + [k for k in current if k not in stored]:
+        old, new = stored.get(name, _MISSING), current.get(name, _MISSING)
+        if old != new:
+            lines.append(f"{name}: stored={old!r} current={new!r}")
+    return lines

@@ -1,0 +1,89 @@
+"""Names and record shapes of a run directory (a contract other tools script against).
+
+    <run_dir>/
+      manifest.json            atomic JSON; see `Manifest`
+      .lock                    flock held by the open RunStore
+      samples/
+        part-000000-1a2b3c4d.parquet   one file per flush (complete or absent)
+        .part-...parquet.tmp           in-flight write, removed on the next open
+        _quarantine-part-...parquet    torn part moved aside (ignored by pyarrow.dataset)
+      samples.parquet          all parts merged, deduplicated on the key, sorted by key
+      summary.parquet          per-subject (or per-group) rows from write_summary
+      summary.json             headline numbers from write_summary
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, TypedDict
+
+SCHEMA_VERSION = 1
+
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".lock"
+SAMPLES_DIR = "samples"
+SAMPLES_FILE = "samples.parquet"
+SUMMARY_PARQUET = "summary.parquet"
+SUMMARY_JSON = "summary.json"
+QUARANTINE_PREFIX = "_quarantine-"
+TMP_SUFFIX = ".tmp"
+
+# Parquet key-value metadata of samples.parquet: JSON list of the part names merged into it.
+MERGED_PARTS_METADATA_KEY = b"evalrun.merged_parts"
+
+PART_RE = re.compile(r"^part-(\d{6,})-([0-9a-f]{8})\.parquet$")
+
+
+def part_name(seq: int, uuid8: str) -> str:
+    return f"part-{seq:06d}-{uuid8}.parquet"
+
+
+class ModelFingerprint(TypedDict):
+    """Returned by `fingerprint_model_dir`. Hashes are sha256 hex digests (None: file absent)."""
+
+    path: str
+    files: dict[str, Optional[str]]  # config.json, tokenizer.json, tokenizer_config.json, ...
+    weights_index: Optional[dict[str, str]]  # {"name", "sha256"} of *.index.json, if any
+    weights: list[dict[str, Any]]  # [{"name", "size", "sample_sha256"}] per weight file
+    model_fingerprint: str  # config + weights index + weight samples
+    tokenizer_fingerprint: str  # tokenizer files only
+
+
+class Throughput(TypedDict):
+    """Returned by `throughput`; stored under manifest["throughput"]."""
+
+    prompt_tokens: int  # all prompt tokens of all requests
+    prefill_tokens_computed: int  # prompt tokens actually run through the model
+    generated_tokens: int
+    dedup_ratio: Optional[float]  # prompt / computed: 4.0 means 3 of 4 prompt tokens came from cache
+    wall_seconds: float
+    tokens_per_s: Optional[float]  # (prompt + generated) / wall
+    prefill_tokens_per_s: Optional[float]  # prefill_tokens_computed / wall
+
+
+class Manifest(TypedDict, total=False):
+    """manifest.json. The caller supplies the first block; RunStore fills the store-owned ones."""
+
+    # supplied by the caller
+    task: str
+    identity: dict[str, Any]  # compared on resume: task, model/tokenizer/data fingerprints, config hash
+    model: dict[str, Any]  # usually `fingerprint_model_dir(path)`
+    dtype: str
+    device: str
+    cache_mode: str
+    page_size: int
+    seeds: dict[str, int]
+    cli_args: list[str]
+    # set by RunStore.open (setdefault: a caller value wins)
+    schema_version: int
+    run_id: str
+    key_columns: list[str]
+    start_time: str  # ISO 8601 UTC
+    environment: dict[str, Any]  # `environment_info()`: python, packages, git sha
+    status: str  # "running" | "finalized"
+    resumes: list[dict[str, Any]]  # one {"at", "cli_args"} per resume
+    # set at the end (finalize / the caller's update_manifest)
+    finalized_at: str
+    num_samples: int
+    end_time: str  # set by the caller
+    throughput: Throughput

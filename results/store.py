@@ -1,0 +1,317 @@
+"""RunStore: crash-safe, resumable sample rows of one eval run (see results/schema.py for the layout).
+
+    open ──► completed_keys() ──► add(row) … (auto flush: one parquet part per flush) ──► finalize()
+
+NOTE: a part is published with os.replace after fsync, so on disk it is complete or absent;
+rows still buffered when the process dies are simply redone on resume.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import pandas as pd
+import pyarrow as pa
+
+from results.atomic import atomic_write_parquet, fsync_dir, to_jsonable
+from results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
+from results.manifest import environment_info, identity_mismatches, read_manifest, utc_now, write_manifest
+from results.parts import (
+    list_parts,
+    merge_tables,
+    merged_parts_of,
+    next_seq,
+    quarantine,
+    read_part,
+    remove_stale_temps,
+    with_merged_parts,
+)
+from results.schema import (
+    LOCK_FILE,
+    MANIFEST_FILE,
+    PART_RE,
+    QUARANTINE_PREFIX,
+    SAMPLES_DIR,
+    SAMPLES_FILE,
+    SCHEMA_VERSION,
+    SUMMARY_JSON,
+    SUMMARY_PARQUET,
+    TMP_SUFFIX,
+    part_name,
+)
+
+Key = tuple
+
+
+class RunStore:
+    """Use `RunStore.open(...)`; the constructor is internal."""
+
+    def __init__(self, run_dir: Path, manifest: dict[str, Any], key_columns: Sequence[str],
+                 flush_rows: int, flush_seconds: float, lock_fd: int) -> None:
+        self.run_dir = run_dir
+        self.samples_dir = run_dir / SAMPLES_DIR
+        self.manifest = manifest
+        self.key_columns = tuple(key_columns)
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self.quarantined: list[Path] = []  # torn parts moved aside by this store
+        self._lock_fd: Optional[int] = lock_fd
+        self._buffer: list[dict[str, Any]] = []
+        self._first_buffered_at = 0.0
+        self._columns: dict[str, Optional[pa.DataType]] = {}  # insertion order = column order
+        self._keys: set[Key] = set()
+        self._seq = 0
+
+    @classmethod
+    def open(cls, run_dir: str | Path, manifest: dict[str, Any], key_columns: Sequence[str],
+             overwrite: bool = False, flush_rows: int = 256, flush_seconds: float = 30.0) -> "RunStore":
+        """Start a new run in `run_dir`, or resume the one there if its manifest["identity"] matches.
+
+        Raises ResumeMismatchError (identity or key columns differ; overwrite=True starts over),
+        NotARunDirError (non-empty dir without manifest.json; never touched), RunDirBusyError.
+        """
+        run_dir = Path(run_dir)
+        if not key_columns:
+            raise ValueError("key_columns must name at least one column")
+        if not isinstance(manifest.get("identity"), dict):
+            raise ValueError('manifest needs an "identity" dict (task, fingerprints, config hash)')
+        if flush_rows < 1 or flush_seconds <= 0:
+            raise ValueError(f"need flush_rows >= 1 and flush_seconds > 0, got {flush_rows}, {flush_seconds}")
+        _check_is_run_dir(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock_fd = _lock(run_dir)
+        try:
+            resuming = (run_dir / MANIFEST_FILE).exists()
+            if resuming and overwrite:
+                _clear_run_dir(run_dir)
+                resuming = False
+            given = to_jsonable(manifest)
+            if resuming:
+                final = _resume_manifest(run_dir, read_manifest(run_dir), given, key_columns)
+            else:
+                final = _new_manifest(given, key_columns)
+            write_manifest(run_dir, final)
+            (run_dir / SAMPLES_DIR).mkdir(exist_ok=True)
+            fsync_dir(run_dir)
+            store = cls(run_dir, final, key_columns, flush_rows, flush_seconds, lock_fd)
+            store._scan()
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return store
+
+    def completed_keys(self) -> set[Key]:
+        """Keys of rows durably stored (flushed parts and samples.parquet); buffered rows excluded."""
+        return set(self._keys)
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Buffer one row; flushes when flush_rows are buffered or the oldest is flush_seconds old."""
+        self._check_open()
+        missing = [c for c in self.key_columns if c not in row]
+        if missing:
+            raise KeyError(f"row lacks key column(s) {missing}")
+        if not self._buffer:
+            self._first_buffered_at = time.monotonic()
+        self._buffer.append(dict(row))
+        too_old = time.monotonic() - self._first_buffered_at >= self.flush_seconds
+        if len(self._buffer) >= self.flush_rows or too_old:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered rows as one new part (temp file, fsync, os.replace, fsync dir)."""
+        self._check_open()
+        if not self._buffer:
+            return
+        table = self._to_table(self._buffer)
+        name = part_name(self._seq, uuid.uuid4().hex[:8])
+        atomic_write_parquet(self.samples_dir / name, table)
+        self._seq += 1
+        self._keys.update(_keys_of(table, self.key_columns))
+        self._buffer.clear()
+
+    def finalize(self) -> pd.DataFrame:
+        """Flush, merge everything into samples.parquet (first row per key wins, sorted by key)."""
+        self.flush()
+        tables, covered = _collect(self.run_dir, self._quarantine)
+        merged = merge_tables(tables, self.key_columns)
+        atomic_write_parquet(self.run_dir / SAMPLES_FILE, with_merged_parts(merged, covered))
+        self._keys = set(_keys_of(merged, self.key_columns)) if merged.num_columns else set()
+        self.update_manifest(status="finalized", finalized_at=utc_now(), num_samples=merged.num_rows)
+        return merged.to_pandas()
+
+    def update_manifest(self, **fields: Any) -> None:
+        """Shallow-update manifest.json atomically; fields not named are kept."""
+        self._check_open()
+        self.manifest.update(to_jsonable(fields))
+        write_manifest(self.run_dir, self.manifest)
+
+    def close(self) -> None:
+        """Flush and release the run dir's lock. Idempotent."""
+        if self._lock_fd is None:
+            return
+        try:
+            self.flush()
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "RunStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise RuntimeError(f"RunStore for {self.run_dir} is closed")
+
+    def _quarantine(self, path: Path) -> None:
+        self.quarantined.append(quarantine(path))
+
+    def _scan(self) -> None:
+        """Load what is on disk: keys, column order and types; quarantine torn parts."""
+        remove_stale_temps(self.samples_dir)
+        tables, _ = _collect(self.run_dir, self._quarantine)
+        for table in tables:
+            self._keys.update(_keys_of(table, self.key_columns))
+            for field in table.schema:
+                if self._columns.get(field.name) is None or pa.types.is_null(self._columns[field.name]):
+                    self._columns[field.name] = field.type
+        self._seq = next_seq(self.samples_dir)
+
+    def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
+        """Rows → table with the store's column order; a column keeps the type it first got."""
+        for row in rows:
+            for name in row:
+                self._columns.setdefault(name, None)
+        arrays = {}
+        for name, known in self._columns.items():
+            values = [row.get(name) for row in rows]
+            if known is None or pa.types.is_null(known):
+                arrays[name] = pa.array(values)
+                self._columns[name] = arrays[name].type
+                continue
+            try:
+                arrays[name] = pa.array(values, type=known)
+            except (pa.ArrowException, TypeError, ValueError) as e:
+                raise TypeError(f"column {name!r}: values do not fit its type {known} from earlier rows: {e}") from e
+        return pa.table(arrays)
+
+
+def read_samples(run_dir: str | Path) -> pd.DataFrame:
+    """All rows of a run (finalized or not): first row per key, sorted by key; torn parts skipped."""
+    run_dir = Path(run_dir)
+    if not (run_dir / MANIFEST_FILE).is_file():
+        raise NotARunDirError(f"{run_dir} has no {MANIFEST_FILE}")
+    key_columns = read_manifest(run_dir)["key_columns"]
+    tables, _ = _collect(run_dir, lambda p: warnings.warn(f"skipping torn or unreadable sample part {p}"))
+    return merge_tables(tables, key_columns).to_pandas()
+
+
+def _collect(run_dir: Path, on_torn: Callable[[Path], None]) -> tuple[list[pa.Table], list[str]]:
+    """Tables in write order — samples.parquet, then parts not merged into it — and the part names
+    they cover. samples.parquet is used only if it records which parts it merged."""
+    samples_file = run_dir / SAMPLES_FILE
+    recorded = merged_parts_of(samples_file) if samples_file.exists() else None
+    tables: list[pa.Table] = []
+    covered: list[str] = []
+    if recorded is not None and (base := read_part(samples_file)) is not None:
+        tables.append(base)
+        covered = list(recorded)
+    merged_names = set(covered)
+    for path in list_parts(run_dir / SAMPLES_DIR):
+        if path.name in merged_names:
+            continue
+        table = read_part(path)
+        if table is None:
+            on_torn(path)
+            continue
+        tables.append(table)
+        covered.append(path.name)
+    return tables, covered
+
+
+def _keys_of(table: pa.Table, key_columns: Sequence[str]) -> list[Key]:
+    return list(zip(*(table.column(c).to_pylist() for c in key_columns)))
+
+
+def _check_is_run_dir(run_dir: Path) -> None:
+    if not run_dir.exists() or (run_dir / MANIFEST_FILE).is_file():
+        return
+    if not run_dir.is_dir():
+        raise NotARunDirError(f"{run_dir} exists and is not a directory")
+    others = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE)
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise NotARunDirError(
+            f"{run_dir} is not empty and has no {MANIFEST_FILE} ({shown}); refusing to use it as a run dir"
+        )
+
+
+def _lock(run_dir: Path) -> int:
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirBusyError(f"{run_dir} is in use by another RunStore") from None
+    return fd
+
+
+def _clear_run_dir(run_dir: Path) -> None:
+    """Remove only what the store writes; manifest.json last, so a crash here leaves a run dir."""
+    samples_dir = run_dir / SAMPLES_DIR
+    if samples_dir.is_dir():
+        for p in samples_dir.iterdir():
+            name = p.name.removeprefix(QUARANTINE_PREFIX)
+            ours = PART_RE.match(name) or (name.startswith(".part-") and name.endswith(TMP_SUFFIX))
+            if ours and p.is_file():
+                p.unlink()
+        if not any(samples_dir.iterdir()):
+            samples_dir.rmdir()
+    for name in (SAMPLES_FILE, SUMMARY_PARQUET, SUMMARY_JSON):
+        (run_dir / name).unlink(missing_ok=True)
+        for tmp in run_dir.glob(f".{name}.*{TMP_SUFFIX}"):
+            tmp.unlink()
+    fsync_dir(run_dir)
+    (run_dir / MANIFEST_FILE).unlink()
+    fsync_dir(run_dir)
+
+
+def _new_manifest(given: dict[str, Any], key_columns: Sequence[str]) -> dict[str, Any]:
+    manifest = dict(given)
+    manifest["schema_version"] = SCHEMA_VERSION
+    manifest["key_columns"] = list(key_columns)
+    manifest.setdefault("run_id", f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+    manifest.setdefault("start_time", utc_now())
+    manifest.setdefault("environment", environment_info())
+    manifest["status"] = "running"
+    return manifest
+
+
+def _resume_manifest(run_dir: Path, stored: dict[str, Any], given: dict[str, Any],
+                     key_columns: Sequence[str]) -> dict[str, Any]:
+    lines = identity_mismatches(stored.get("identity", {}), given["identity"])
+    lines += identity_mismatches(
+        {k: stored.get(k) for k in ("key_columns", "schema_version")},
+        {"key_columns": list(key_columns), "schema_version": SCHEMA_VERSION},
+    )
+    if lines:
+        raise ResumeMismatchError(
+            f"{run_dir} holds a run that differs from this one:\n  " + "\n  ".join(lines)
+            + "\nuse --overwrite to start over"
+        )
+    manifest = dict(stored)
+    for name, value in given.items():
+        manifest.setdefault(name, value)
+    manifest["resumes"] = list(stored.get("resumes", [])) + [{"at": utc_now(), "cli_args": given.get("cli_args")}]
+    manifest["status"] = "running"
+    return manifest

@@ -1,0 +1,189 @@
+"""MMLU adapter and `evalrun mmlu` end to end: format, reference agreement, resume, bad input."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from evalrun.cli import main
+from tasks.mmlu import MMLUTask, build_prompt
+from tasks.mmlu_data import MMLUDoc, load_mmlu
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
+pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/mmlu")
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_mmlu(DATA)
+
+
+def test_prompt_is_lm_eval_default_format():
+    shot = MMLUDoc("high_school_biology", 0, "  What is DNA? ", ("a", "b", "c", "d"), 2)
+    doc = MMLUDoc("high_school_biology", 1, "Why?", ("w", "x", "y", "z"), 0)
+    assert build_prompt(doc.subject, [shot], doc) == (
+        "The following are multiple choice questions (with answers) about high school biology.\n\n"
+        "What is DNA?\nA. a\nB. b\nC. c\nD. d\nAnswer: C\n\n"
+        "Why?\nA. w\nB. x\nC. y\nD. z\nAnswer:"
+    )
+
+
+def test_data_shapes(data):
+    assert len(data.test) == 57 and sum(len(v) for v in data.test.values()) == 14042
+    assert all(len(v) == 5 for v in data.dev.values())
+
+
+def _cli(*args: str) -> int:
+    return main(["mmlu", "--no-progress", "--dtype", "float32", "--cache-mode", "fp32", *args])
+
+
+def _samples(out: Path) -> pd.DataFrame:
+    return pd.read_parquet(out / "samples.parquet")
+
+
+def test_full_57_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(DATA), "--limit", "2",
+                "--output-dir", str(out)) == 0
+    df = _samples(out)
+    assert len(df) == 114 and df[["subject", "doc_id"]].duplicated().sum() == 0
+    assert {"run_id", "task", "subject", "doc_id", "prompt_hash", "prompt_tokens", "cached_tokens",
+            "num_fewshot_used", "target", "prediction", "correct", "choice_logprobs", "cache_mode"} <= set(df.columns)
+    assert (df.cached_tokens > 0).mean() >= 0.45                     # the second question of a subject hits
+    assert "overall" in capsys.readouterr().out
+    assert (out / "summary.json").is_file() and (out / "manifest.json").is_file()
+
+
+def test_csv_layout_gives_same_rows(tiny_model_dir, tmp_path, data):
+    csv_root = tmp_path / "csv"
+    for split, table in (("dev", data.dev), ("test", data.test)):
+        (csv_root / split).mkdir(parents=True)
+        for subject in ("anatomy", "virology"):
+            rows = [[d.question, *d.choices, "ABCD"[d.answer]] for d in table[subject]]
+            pd.DataFrame(rows).to_csv(csv_root / split / f"{subject}_{split}.csv", header=False, index=False)
+    outs = []
+    for i, root in enumerate((csv_root, DATA)):
+        out = tmp_path / f"run{i}"
+        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(root), "--subjects", "anatomy,virology",
+                    "--limit", "3", "--output-dir", str(out)) == 0
+        outs.append(_samples(out))
+    cols = ["subject", "doc_id", "prompt_hash", "prediction"]
+    pd.testing.assert_frame_equal(outs[0][cols], outs[1][cols])
+
+
+def test_batch_invariance_fp32(tiny_model_dir, tmp_path):
+    frames = []
+    for bs in ("1", "8", None):
+        out = tmp_path / f"bs{bs}"
+        extra = ["--max-batch-size", bs] if bs else []
+        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects",
+                    "astronomy,virology", "--limit", "6", "--output-dir", str(out), *extra) == 0
+        frames.append(_samples(out))
+    for other in frames[1:]:
+        assert list(other.prediction) == list(frames[0].prediction)
+        a = torch.tensor(frames[0].choice_logprobs.tolist())
+        b = torch.tensor(other.choice_logprobs.tolist())
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_ties_break_to_lowest_letter():
+    from tasks.base import Answer, DocPlan, Request
+
+    task = MMLUTask.__new__(MMLUTask)
+    task.choice_ids = [[1], [2], [3], [4]]
+    req = Request(("x", 0), (7, 8), 1, True, 0)
+    plan = DocPlan(("x", 0), [req], {"target": "C"})
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = logits[0, 4] = 5.0                                 # C and D tie
+    row = task.score(plan, [Answer(req, [3], "", logits, 2, 0)])
+    assert row["prediction"] == "C" and row["correct"]
+    expected = torch.log_softmax(logits[0], -1)[[1, 2, 3, 4]].tolist()
+    assert row["choice_logprobs"] == pytest.approx(expected, abs=1e-7)
+
+
+def test_bad_inputs_exit_2(tiny_model_dir, smollm2_dir, tmp_path, capsys):
+    base = ["--data-dir", str(DATA), "--limit", "1", "--subjects", "anatomy"]
+    assert _cli("--model", str(tmp_path / "nope"), *base, "--output-dir", str(tmp_path / "o1")) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects", "astrology",
+                "--output-dir", str(tmp_path / "o2")) == 2
+    err = capsys.readouterr().err
+    assert "unknown subject(s) astrology" in err and "anatomy" in err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    dev = pd.read_parquet(DATA / "dev.parquet")
+    dev.to_parquet(bad / "dev.parquet")
+    test = pd.read_parquet(DATA / "test.parquet").head(20)
+    test.loc[3, "answer"] = 7
+    test.to_parquet(bad / "test.parquet")
+    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(bad), "--output-dir", str(tmp_path / "o3")) == 2
+    err = capsys.readouterr().err
+    assert "test.parquet row 3" in err and "out of range" in err
+    out = tmp_path / "o4"
+    assert _cli("--model", str(tiny_model_dir), *base, "--output-dir", str(out)) == 0
+    before = _samples(out)
+    assert _cli("--model", str(smollm2_dir), *base, "--output-dir", str(out)) == 2
+    assert "model_fingerprint" in capsys.readouterr().err
+    pd.testing.assert_frame_equal(_samples(out), before)              # nothing lost
+    assert main(["mmlu", "--limit", "0", "--model", str(tiny_model_dir)]) == 2
+
+
+def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
+    args = ["--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects",
+            "anatomy,astronomy,virology,marketing", "--limit", "12"]
+    full = tmp_path / "full"
+    assert _cli(*args, "--output-dir", str(full)) == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--no-progress", "--dtype", "float32", "--cache-mode",
+           "fp32", *args, "--output-dir", str(out), "--flush-rows", "3", "--max-batch-size", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((out / "samples").glob("part-*.parquet"))) < 3:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "samples.parquet").exists(), "run finished before it could be killed"
+    assert _cli(*args, "--output-dir", str(out)) == 0
+    cols = ["subject", "doc_id", "prompt_hash", "prediction", "target", "correct"]
+    a, b = _samples(full), _samples(out)
+    assert not b[["subject", "doc_id"]].duplicated().any()
+    pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True))
+    torch.testing.assert_close(torch.tensor(list(a.choice_logprobs)), torch.tensor(list(b.choice_logprobs)),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_predictions_match_transformers(smollm2_dir, data):
+    from transformers import AutoModelForCausalLM
+
+    from engine import DynamicGenerator, Model, PagedCache, Tokenizer
+    from evalrun.runner import run_task
+
+    task = MMLUTask(subjects=["abstract_algebra", "college_biology", "marketing"], limit=4, data=data)
+    model = Model.load(smollm2_dir, dtype="float32")
+    tok = Tokenizer.load(smollm2_dir)
+    gen = DynamicGenerator(model, PagedCache(model, max_tokens=8192, page_size=256, mode="fp32"), tok)
+    plans = list(task.plan(tok, model.max_seq_len))
+    rows = run_task(task, gen, plans, lambda r: None, {}, progress=False).rows
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    letters = [tok.encode(" " + L)[0] for L in "ABCD"]
+    by_key = {(r["subject"], r["doc_id"]): r for r in rows}
+    correct = 0
+    for doc in task.docs():
+        prompt = build_prompt(doc.subject, data.dev[doc.subject][:5], doc)
+        ids = tok.encode(prompt)
+        with torch.inference_mode():
+            logits = ref(torch.tensor([ids])).logits[0, -1].float()
+        lp = torch.log_softmax(logits, -1)[letters]
+        row = by_key[(doc.subject, doc.doc_id)]
+        assert row["prediction"] == "ABCD"[int(lp.argmax())]
+        torch.testing.assert_close(torch.tensor(row["choice_logprobs"]), lp, atol=1e-3, rtol=0)
+        correct += row["prediction"] == "ABCD"[doc.answer]
+    assert correct == sum(r["correct"] for r in rows)
