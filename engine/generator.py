@@ -45,6 +45,8 @@ class DynamicGenerator:
         jobs = [job] if isinstance(job, DynamicJob) else list(job)
         for j in jobs:
             self._validate(j)
+        if len({id(j) for j in jobs}) != len(jobs):
+            raise ValueError("a DynamicJob is listed twice: already enqueued in this list; create one job per request")
         now = time.time()
         for j in jobs:
             j.state.time_enqueued = now
@@ -65,9 +67,12 @@ class DynamicGenerator:
         bad = [t for t in job.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        bad = sorted(t for t in job.stop_tokens if not 0 <= t < vocab)
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         if job.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass tokenizer= to DynamicGenerator")
-        if job.state.page_table or job.state.new_ids:
+        if job.state.serial or job.state.page_table or job.state.new_ids:
             raise ValueError("this DynamicJob was already enqueued; create a new one")
 
     def num_remaining_jobs(self) -> int:

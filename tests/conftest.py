@@ -11,6 +11,12 @@ Tests marked `cuda` are skipped when torch sees no CUDA device.
 
 from __future__ import annotations
 
+import os
+
+# Spinning OpenMP workers crawl when the 2 cores are shared (a CLI subprocess, another job):
+# a small matmul went from 0.05 ms to 23 ms. Passive waiting costs little when alone.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 from typing import Any, Callable
 
