@@ -24,6 +24,8 @@ from .weights import WeightReader
 if TYPE_CHECKING:
     from .cache import PagedCache
 
+SMALL_M = 64   # CPU: below this many rows, W @ x^T runs ~1.7x faster than x @ W^T in MKL
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,18 +89,18 @@ class Model:
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, x, cos, sin, batch, cache)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = _linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, layer.w_down)
         h = x.index_select(0, batch.logits_indices).float()               # [N, H]
         h = F.rms_norm(h, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head)                                  # [N, V] float32
+        return _linear(h, self.lm_head)                                   # [N, V] float32
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
         cfg = self.config
         t = x.shape[0]
         h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, layer.wqkv, layer.bqkv)
+        qkv = _linear(h, layer.wqkv, layer.bqkv)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_size: q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -108,7 +110,15 @@ class Model:
         k_cache, v_cache = cache.layer(i)
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
-        return F.linear(o.reshape(t, q_size), layer.wo)
+        return _linear(o.reshape(t, q_size), layer.wo)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T (+ b). Few rows on CPU: computed as (w @ x^T)^T."""
+    if x.device.type != "cpu" or x.shape[0] > SMALL_M:
+        return F.linear(x, w, b)
+    y = torch.mm(w, x.t()).t()
+    return (y if b is None else y + b).contiguous()
 
 
 def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device) -> Model:

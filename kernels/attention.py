@@ -130,19 +130,23 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence: two batched matmuls in float32 (SDPA's CPU kernel is
-    several times slower at q_len 1)."""
+    """One query per sequence, in float32. One pair of batched matmuls per KV head reads
+    the gathered [Bd, L, Hkv, D] keys in place (row stride Hkv * D), so no permuted copy
+    of the context is made; SDPA's CPU kernel is several times slower at q_len 1."""
     bd, lmax = meta.decode_slots.shape
     hkv, d = k_flat.shape[1:]
     group = q.shape[1] // hkv
     slots = meta.decode_slots.view(-1)
-    k = k_flat.index_select(0, slots).view(bd, lmax, hkv, d).permute(0, 2, 3, 1).float()      # [Bd, Hkv, D, L]
-    v = v_flat.index_select(0, slots).view(bd, lmax, hkv, d).transpose(1, 2).float()           # [Bd, Hkv, L, D]
+    k = k_flat.index_select(0, slots).view(bd, lmax, hkv, d).float()          # [Bd, L, Hkv, D]
+    v = v_flat.index_select(0, slots).view(bd, lmax, hkv, d).float()
     qs = q.view(bd, hkv, group, d).float()                                     # [Bd, Hkv, G, D]
-    scores = torch.matmul(qs, k).mul_(scale)                                   # [Bd, Hkv, G, L]
-    scores.masked_fill_(~meta.decode_mask, float("-inf"))
-    o = torch.matmul(scores.softmax(dim=-1), v)                                # [Bd, Hkv, G, D]
-    return o.view(bd, hkv * group, d).to(q.dtype)
+    masked = ~meta.decode_mask[:, 0]                                            # [Bd, 1, L]
+    out = torch.empty(bd, hkv, group, d, dtype=torch.float32, device=q.device)
+    for h in range(hkv):
+        scores = torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [Bd, G, L]
+        scores.masked_fill_(masked, float("-inf"))
+        out[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h])              # [Bd, G, D]
+    return out.view(bd, hkv * group, d).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,177 @@
+"""Shared helpers for the benchmarks: timing, machine info, result files, MMLU prompts.
+
+Run the benchmarks from the repository root as modules (`python -m benchmarks.bench_...`).
+Every figure a benchmark prints is meant to be read as a ratio against the baseline
+measured in the same run, on the same machine, in the same dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_DIR = REPO_ROOT / "bench_out"
+DEFAULT_MMLU_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"   # ../shared beside the checkout
+CACHE_MODE = {"float32": "fp32", "bfloat16": "bf16"}     # --dtype -> PagedCache mode
+TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+CHOICE_LETTERS = ("A", "B", "C", "D")
+
+
+# --- command line and results -------------------------------------------------
+def base_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --dtype, --skip-baseline, --out."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPE), default="float32",
+                        help="weights/activations dtype of BOTH engines (default float32: this "
+                             "machine has no bf16 instructions); the KV cache matches it")
+    parser.add_argument("--skip-baseline", action="store_true", help="time only our engine")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / f"{name}.json",
+                        help=f"JSON result file (default: bench_out/{name}.json)")
+    return parser
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    result = {**result, "loadavg_at_end": os.getloadavg()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path} (load average at end {result['loadavg_at_end'][0]:.2f})")
+
+
+# --- timing ---------------------------------------------------------------------
+@dataclass
+class Timing:
+    seconds: float = 0.0
+
+
+@contextmanager
+def timed() -> Iterator[Timing]:
+    """`with timed() as t: ...` then read `t.seconds` (wall clock, perf_counter)."""
+    t = Timing()
+    start = time.perf_counter()
+    try:
+        yield t
+    finally:
+        t.seconds = time.perf_counter() - start
+
+
+def ratio(baseline_s: Optional[float], ours_s: float) -> Optional[float]:
+    """Speed-up of ours over the baseline (baseline time / our time)."""
+    return None if baseline_s is None or ours_s <= 0 else baseline_s / ours_s
+
+
+# --- machine ---------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    """CPU model and the SIMD flags that decide bf16 vs fp32 speed, torch/threads, git state."""
+    cpu_model, flags = _cpuinfo()
+    info: dict[str, Any] = {
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "git": _git_state(),
+        "loadavg_at_start": os.getloadavg(),     # other processes skew timings: check this
+    }
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def print_machine(info: dict[str, Any]) -> None:
+    present = [f for f, ok in info["cpu_flags"].items() if ok]
+    print(f"machine: {info['cpu_model']} | {info['cpu_count']} cpus | torch {info['torch']} "
+          f"({info['torch_threads']} threads) | transformers {info['transformers']}")
+    print(f"  cpu flags: {' '.join(present)} | avx512_bf16: {info['cpu_flags']['avx512_bf16']}")
+    print(f"  git: {info['git']} | load average {info['loadavg_at_start'][0]:.2f} "
+          f"on {info['cpu_count']} cpus (other processes skew timings)")
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model in ("unknown", "x86_64", ""):
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def _git_state() -> Optional[str]:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True).stdout
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    # NOTE: others edit engine/ and kernels/ concurrently; the dirty list says what was timed.
+    if not dirty:
+        return head
+    diff_hash = hashlib.sha256(git("diff", "HEAD").encode()).hexdigest()[:12]
+    return f"{head} + uncommitted diff {diff_hash} in {', '.join(dirty)}"
+
+
+# --- MMLU 5-shot prompts (lm-evaluation-harness default format) --------------------
+def load_mmlu(data_dir: Path) -> tuple[Any, Any]:
+    """(dev, test) DataFrames in the cais/mmlu schema: subject, question, choices, answer."""
+    import pandas as pd
+    return pd.read_parquet(data_dir / "dev.parquet"), pd.read_parquet(data_dir / "test.parquet")
+
+
+def format_question(question: str, choices: Any, answer: Optional[int] = None) -> str:
+    """One question block; with `answer` it is a solved shot ending in a blank line,
+    without it the block ends in "Answer:" (no trailing space)."""
+    lines = [question.strip()] + [f"{letter}. {c}" for letter, c in zip(CHOICE_LETTERS, choices)]
+    text = "\n".join(lines) + "\nAnswer:"
+    return text if answer is None else f"{text} {CHOICE_LETTERS[answer]}\n\n"
+
+
+def mmlu_prompt(dev: Any, subject: str, question: str, choices: Any) -> str:
+    """Description + the subject's first 5 dev examples + the test question."""
+    header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    shots = dev[dev["subject"] == subject].head(5)
+    body = "".join(format_question(r.question, r.choices, int(r.answer)) for r in shots.itertuples())
+    return header + body + format_question(question, choices)
+
+
+def select_mmlu(test: Any, subjects: list[str], n: int) -> list[Any]:
+    """n test rows spread evenly over `subjects` (earlier subjects take the remainder),
+    each subject's rows taken in dataset order."""
+    if n < 1 or not subjects:
+        raise ValueError("need n >= 1 and at least one subject")
+    per, extra = divmod(n, len(subjects))
+    rows = []
+    for i, subject in enumerate(subjects):
+        want = per + (1 if i < extra else 0)
+        found = test[test["subject"] == subject].head(want)
+        if len(found) < want:
+            raise ValueError(f"subject {subject!r} has only {len(found)} test questions, {want} requested")
+        rows.extend(found.itertuples())
+    return rows
