@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (CACHE_MODE, TORCH_DTYPE, base_parser, machine_info, print_machine, ratio,
+from benchmarks.common import (start_run, CACHE_MODE, TORCH_DTYPE, base_parser, machine_info, print_machine, ratio,
                                timed, write_result)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
@@ -151,11 +151,7 @@ def report_baseline(result: dict[str, Any], ours: dict[str, Any], base: dict[str
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
-    info = machine_info()
-    print_machine(info)
-    from evalrun.demo import ensure_demo_model
-    model_dir = ensure_demo_model()
-    tokenizer = Tokenizer.load(model_dir)
+    info, model_dir, tokenizer = start_run()
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.n)]
     new_total = args.n * args.new_tokens
     print(f"decode: {args.n} HumanEval prompts ({sum(map(len, prompts))} prompt tokens) x "

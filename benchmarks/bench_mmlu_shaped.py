@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
+from benchmarks.common import (start_run, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
                                load_mmlu, machine_info, mmlu_prompt, print_machine, ratio, select_mmlu,
                                timed, write_result)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
@@ -184,11 +184,7 @@ def report_baseline(result: dict[str, Any], ours: dict[str, Any], base: dict[str
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
-    info = machine_info()
-    print_machine(info)
-    from evalrun.demo import ensure_demo_model
-    model_dir = ensure_demo_model()
-    tokenizer = Tokenizer.load(model_dir)
+    info, model_dir, tokenizer = start_run()
     questions = build_questions(args, tokenizer)
     choice_ids = choice_token_ids(tokenizer)
     n, prompt_tokens = len(questions), sum(len(q.ids) for q in questions)

@@ -97,6 +97,17 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def start_run() -> tuple[dict[str, Any], Path, Any]:
+    """Print the machine, then return (machine info, demo model dir, its engine Tokenizer)."""
+    from engine import Tokenizer
+    from evalrun.demo import ensure_demo_model
+
+    info = machine_info()
+    print_machine(info)
+    model_dir = ensure_demo_model()
+    return info, model_dir, Tokenizer.load(model_dir)
+
+
 def print_machine(info: dict[str, Any]) -> None:
     present = [f for f, ok in info["cpu_flags"].items() if ok]
     print(f"machine: {info['cpu_model']} | {info['cpu_count']} cpus | torch {info['torch']} "

@@ -90,7 +90,8 @@ def _postfix(bar: tqdm, totals: RunTotals, generator: DynamicGenerator, start: f
         return
     stats = generator.stats()
     elapsed = max(time.time() - start, 1e-9)
-    hit = stats["cached_tokens"] / stats["prompt_tokens"] if stats["prompt_tokens"] else 0.0
+    started = stats["cached_tokens"] + stats["prefill_tokens"]          # prompt tokens of admitted jobs
+    hit = stats["cached_tokens"] / started if started else 0.0
     acc: Optional[float] = totals.correct / totals.docs if totals.docs else None
     bar.set_postfix(acc="-" if acc is None else f"{acc:.3f}",
                     tok_s=f"{(stats['prefill_tokens'] + stats['generated_tokens']) / elapsed:.0f}",
