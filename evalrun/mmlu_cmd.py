@@ -33,8 +33,9 @@ def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
                           flush_rows=args.flush_rows, flush_seconds=args.flush_seconds)
     with store:
         done = store.completed_keys()
-        plans = [p for p in task.plan(tokenizer, model.max_seq_len) if p.doc_key not in done]
         generator = _generator(args, model, tokenizer)
+        fits = min(model.max_seq_len, generator.cache.max_tokens)     # longer prompts are skipped rows
+        plans = [p for p in task.plan(tokenizer, fits) if p.doc_key not in done]
         row_base = {"run_id": store.manifest["run_id"], "task": "mmlu", "cache_mode": args.cache_mode}
         t0 = time.time()
         totals = run_task(task, generator, plans, store.add, row_base, progress=not args.no_progress)

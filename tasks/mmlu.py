@@ -76,7 +76,7 @@ class MMLUTask:
                 info = {"num_fewshot_used": k, "prompt_hash": _hash(ids), "target": LETTERS[doc.answer]}
                 return DocPlan(key, _requests(key, ids, choice_ids), info)
         return DocPlan(key, info={"num_fewshot_used": 0, "target": LETTERS[doc.answer]},
-                       skip_reason=f"prompt does not fit max_seq_len {max_seq_len} even 0-shot")
+                       skip_reason=f"prompt does not fit in {max_seq_len} tokens (model context or cache) even 0-shot")
 
     def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
         logprobs = choice_logprobs(plan.requests[0].input_ids, self.choice_ids, answers)

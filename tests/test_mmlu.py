@@ -78,6 +78,17 @@ def test_csv_layout_gives_same_rows(tiny_model_dir, tmp_path, data):
     pd.testing.assert_frame_equal(outs[0][cols], outs[1][cols])
 
 
+def test_long_prompts_drop_shots_then_skip(tiny_model_dir, tmp_path):
+    common = ["--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects", "high_school_european_history",
+              "--limit", "3", "--page-size", "16"]
+    assert _cli(*common, "--cache-tokens", "1024", "--output-dir", str(tmp_path / "a")) == 0
+    df = _samples(tmp_path / "a")
+    assert (df.num_fewshot_used < 5).all() and not df.skipped.any()
+    assert _cli(*common, "--cache-tokens", "64", "--output-dir", str(tmp_path / "b")) == 0
+    df = _samples(tmp_path / "b")
+    assert df.skipped.all() and df.skip_reason.str.contains("does not fit in 64 tokens").all()
+
+
 def test_batch_invariance_fp32(tiny_model_dir, tmp_path):
     frames = []
     for bs in ("1", "8", None):
