@@ -12,7 +12,6 @@ from engine import DynamicGenerator, Model, PagedCache, Tokenizer
 from evalrun.errors import BadInput
 from evalrun.runner import run_task
 from results import RunStore, environment_info, fingerprint_model_dir, throughput, write_summary
-from tasks.base import TaskDataError
 from tasks.mmlu import MMLUTask
 
 
@@ -127,5 +126,3 @@ def _print_summary(per_subject: list[dict], overall: dict, out_dir: Path, tp: di
           f"{tp['prefill_tokens_computed']} (dedup x{ratio:.2f})" if ratio else "")
     print(f"results: {out_dir}")
 
-
-__all__ = ["run_mmlu", "TaskDataError"]

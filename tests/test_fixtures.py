@@ -12,15 +12,10 @@ from safetensors.torch import load_file
 
 from evalrun import demo
 
+from tiny_models import LLAMA3_ROPE  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 256,
-}
 
 
 def _load(model_dir: Path) -> torch.nn.Module:

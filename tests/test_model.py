@@ -14,15 +14,10 @@ import torch
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
+from tiny_models import LLAMA3_ROPE  # noqa: E402
+
 transformers = pytest.importorskip("transformers")
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 256,
-}
 TINY_TOL = 1e-4
 SMOLLM2_TOL = 1e-3
 

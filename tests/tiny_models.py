@@ -28,6 +28,15 @@ TOKENIZER_FILES = (
 )
 
 
+# A llama3 rope scaling whose original context (256) short prompts already exceed.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
 def make_tiny_model(
     path: Path,
     arch: str = "llama",
