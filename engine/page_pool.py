@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from typing import Optional, Sequence
 
 ROOT_HASH = 0
 MAX_SIBLINGS_SCANNED = 16
+SIBLING_HEAD = 16      # siblings are also indexed by their first tokens, so that a long shared
+                       # prefix is found among any number of siblings (e.g. 164 prompts at the root)
 
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
@@ -62,6 +64,7 @@ class PagePool:
         self.cached: OrderedDict[int, None] = OrderedDict()   # ref 0 with content, LRU first
         self.by_hash: dict[int, int] = {}
         self.siblings: dict[int, OrderedDict[int, None]] = {}
+        self.sibling_heads: dict[tuple[int, tuple[int, ...]], OrderedDict[int, None]] = {}
         self.clock = 0
 
     # --- capacity -------------------------------------------------------
@@ -104,10 +107,12 @@ class PagePool:
         """Longest shared prefix among the oldest siblings (oldest are the likeliest to be
         computed already); on equal length a page whose slots are already valid wins."""
         best, best_key = None, (0, False)
-        candidates = self.siblings.get(parent)
-        if not candidates or not want:
+        group = self.siblings.get(parent)
+        if not group or not want:
             return None, 0
-        for pid in islice(candidates, MAX_SIBLINGS_SCANNED):
+        same_head = self.sibling_heads.get((parent, tuple(want[:SIBLING_HEAD])), ()) \
+            if len(want) >= SIBLING_HEAD else ()
+        for pid in chain(islice(same_head, MAX_SIBLINGS_SCANNED), islice(group, MAX_SIBLINGS_SCANNED)):
             page = self.pages[pid]
             n = _common_prefix(page.tokens, want)
             if page.ref_count == 0:
@@ -161,7 +166,7 @@ class PagePool:
         hash (unless another page already owns that hash). Returns the hash or None."""
         page = self.pages[page_id]
         page.parent_hash, page.tokens = parent, tuple(tokens)
-        self.siblings.setdefault(parent, OrderedDict())[page_id] = None
+        self._index_sibling(page)
         if len(tokens) < self.page_size:
             return None
         h = chain_hash(parent, page.tokens)
@@ -178,12 +183,16 @@ class PagePool:
         if page.phash is not None and self.by_hash.get(page.phash) == page.page_id:
             del self.by_hash[page.phash]
         if page.parent_hash is not None:
-            group = self.siblings.get(page.parent_hash)
-            if group is not None:
-                group.pop(page.page_id, None)
-                if not group:
-                    del self.siblings[page.parent_hash]
+            _discard(self.siblings, page.parent_hash, page.page_id)
+            if len(page.tokens) >= SIBLING_HEAD:
+                _discard(self.sibling_heads, (page.parent_hash, page.tokens[:SIBLING_HEAD]), page.page_id)
         page.phash, page.parent_hash, page.tokens, page.num_valid = None, None, (), 0
+
+    def _index_sibling(self, page: Page) -> None:
+        self.siblings.setdefault(page.parent_hash, OrderedDict())[page.page_id] = None
+        if len(page.tokens) >= SIBLING_HEAD:
+            key = (page.parent_hash, page.tokens[:SIBLING_HEAD])
+            self.sibling_heads.setdefault(key, OrderedDict())[page.page_id] = None
 
     def _tick(self) -> int:
         self.clock += 1
@@ -206,9 +215,17 @@ class PagePool:
         self.cached = OrderedDict((new, None) for new in plan.values())
         self.free = OrderedDict((i, None) for i in range(len(plan), n))
         self.by_hash = {p.phash: p.page_id for p in moved.values() if p.phash is not None}
-        self.siblings = {}
+        self.siblings, self.sibling_heads = {}, {}
         for page in sorted(moved.values(), key=lambda p: p.last_used):
-            self.siblings.setdefault(page.parent_hash, OrderedDict())[page.page_id] = None
+            self._index_sibling(page)
+
+
+def _discard(index: dict, key: object, page_id: int) -> None:
+    group = index.get(key)
+    if group is not None:
+        group.pop(page_id, None)
+        if not group:
+            del index[key]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

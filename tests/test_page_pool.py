@@ -67,6 +67,25 @@ def test_unreferenced_page_counts_only_valid_slots():
     assert (m.copy_page, m.copy_tokens) == (p, 2)
 
 
+def test_partial_sibling_found_among_many_siblings():
+    """40 different partial prompts under the root: the 35th is still found (by its first
+    SIBLING_HEAD tokens), not only the oldest MAX_SIBLINGS_SCANNED; and forgetting it unindexes it."""
+    pool = PagePool(64, 64)
+    prompts = [[1, 2, 3] + [100 + i] * 30 for i in range(40)]        # share 3 tokens, then differ
+    pages = pool.allocate(40)
+    for pid, prompt in zip(pages, prompts):
+        pool.register(pid, ROOT_HASH, prompt)
+    want = prompts[34] + [7, 7]
+    m = pool.match_prefix(want, len(want) - 1)
+    assert (m.copy_page, m.copy_tokens) == (pages[34], 33)
+    short = pool.match_prefix([1, 2, 3, 5, 6], 4)                     # short shares: oldest siblings
+    assert (short.copy_page, short.copy_tokens) == (pages[0], 3)
+    pool.release(pages[34])                                            # unreferenced, nothing valid
+    assert pool.match_prefix(want, len(want) - 1).copy_tokens == 3
+    pool.allocate(64 - 39)                                             # evicts and forgets page 34
+    assert all(pages[34] not in group for group in pool.sibling_heads.values())
+
+
 def _job(ids, n=1):
     return DynamicJob(ids, max_new_tokens=n)
 
