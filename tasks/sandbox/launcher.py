@@ -1,0 +1,198 @@
+"""The worker's launcher: confine, fork the worker, supervise it until it or the parent ends.
+
+    parent --(unshare ...)--> launcher  (PID 1 of the new PID namespace at the namespace levels)
+        launcher: private read-only mounts, tmpfs /tmp and /dev/shm, work dir
+        launcher --fork--> worker: rlimits, drop uid/capabilities, no_new_privs, chdir, run program
+        launcher waits for: the worker's exit | EOF on the lifeline pipe (parent done or dead) | deadline
+        then kills what is left and exits with the worker's status (128 + signal if signalled).
+
+The launcher never runs untrusted code, so its own state (PID 1, subreaper, lifeline) holds.
+Config arrives as JSON in argv[1]; at mode "run" the job ({"program", "entry_point"}) on stdin.
+In mode "probe" the worker prints what the confinement achieved instead of running a job.
+NOTE: runs as text inside the sandbox child (see sources.py): standard library and
+tasks.sandbox modules only, nothing at import time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import signal
+import sys
+
+from tasks.sandbox import confine
+from tasks.sandbox.codec import error_line, write_frame
+from tasks.sandbox.worker import worker_main
+
+NAMESPACE_LEVELS = ("namespaces", "userns")
+
+
+def interpreter_paths() -> list[str]:
+    """Directories this interpreter reads from."""
+    paths = [os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.exec_prefix, sys.base_prefix]
+    return sorted({p for p in paths + sys.path if p and os.path.isdir(p)})
+
+
+def prepare_mounts(cfg: dict, report: dict) -> None:
+    """Namespace levels: private mounts, interpreter exposed to the uid, everything read-only
+    except fresh size-capped tmpfs on /tmp and /dev/shm, and the work dir in that /tmp."""
+    confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
+    confine.mount_tmpfs("/tmp", cfg["tmpfs_mb"])
+    if cfg["uid"] is not None:
+        report["exposed"] = confine.expose_paths(interpreter_paths(), cfg["uid"], "/tmp")
+    failed = confine.remount_readonly(skip=("/tmp", "/dev/shm"))
+    report["ro_failed"] = failed
+    unexpected = sorted(set(failed) - set(cfg["ro_skip"] or ()))
+    if cfg["ro_skip"] is not None and unexpected:
+        raise OSError(f"read-only remount failed for {', '.join(unexpected)}")
+    confine.mount_tmpfs("/dev/shm", cfg["tmpfs_mb"])
+    os.mkdir(cfg["workdir"], 0o700)
+    if cfg["uid"] is not None:
+        os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])
+
+
+def confine_worker(cfg: dict, report: dict) -> None:
+    """In the forked worker, before untrusted code: limits, identity, capabilities."""
+    lim = cfg["limits"]
+    confine.set_rlimits(lim["cpu_s"], lim["memory_mb"], lim["file_size_mb"], lim["max_processes"])
+    privileged = cfg["level"] in NAMESPACE_LEVELS or os.geteuid() == 0
+    if privileged:
+        confine.drop_bounding_set()
+    if cfg["uid"] is not None:
+        keep = cfg["level"] == "basic" and any(confine.first_blocked(p, cfg["uid"]) for p in interpreter_paths())
+        report["kept_dac_read_search"] = keep
+        confine.switch_user(cfg["uid"], keep)
+    elif privileged:
+        confine.set_capabilities(0)
+    confine.prctl(confine.PR_SET_NO_NEW_PRIVS, 1)
+    confine.prctl(confine.PR_SET_DUMPABLE, 1)    # NOTE: setuid cleared it; /proc/self needs it
+    os.chdir(cfg["workdir"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+
+
+def probe_report(cfg: dict, report: dict) -> dict:
+    """What the worker ended up with (printed in probe mode)."""
+    import socket      # only here: 7 ms to import
+    try:
+        interfaces = sorted(name for _, name in socket.if_nameindex())
+    except OSError:
+        interfaces = []
+    with open("/proc/self/status") as f:
+        cap_eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return {**report, "ok": True, "uid": os.getuid(), "euid": os.geteuid(), "cap_eff": cap_eff,
+            "root_readonly": bool(os.statvfs("/").f_flag & os.ST_RDONLY),
+            "workdir_writable": os.access(cfg["workdir"], os.W_OK),
+            "interfaces": interfaces, "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0]}
+
+
+def run_worker(cfg: dict, job: dict, report: dict) -> None:
+    """The forked child: confine, then probe or serve. Never returns."""
+    try:
+        os.close(cfg["fd_lifeline"])
+        confine_worker(cfg, report)
+    except Exception as exc:
+        fail(cfg, f"sandbox setup failed: {error_line(exc)}")
+    if cfg["mode"] == "probe":
+        print(json.dumps(probe_report(cfg, report)), flush=True)
+        os._exit(0)
+    worker_main(job["program"], job["entry_point"], cfg["fd_requests"], cfg["fd_replies"])
+
+
+def fail(cfg: dict, message: str) -> None:
+    """Report a setup failure to the checker (run) or on stdout (probe), then exit."""
+    try:
+        if cfg["mode"] == "probe":
+            print(json.dumps({"ok": False, "error": message}), flush=True)
+        else:
+            write_frame(cfg["fd_replies"], {"load_error": message})
+    finally:
+        os._exit(1)
+
+
+def exit_code(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def supervise(pid: int, cfg: dict) -> None:
+    """Wait for the worker, the lifeline's EOF or the deadline; kill the rest; exit."""
+    os.close(cfg["fd_requests"])
+    os.close(cfg["fd_replies"])
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd, cfg["fd_lifeline"]], [], [], cfg["deadline_s"])
+    code = 137
+    if pidfd in ready:
+        code = exit_code(os.waitpid(pid, 0)[1])
+    if os.getpid() != 1:                 # PID 1's exit kills the whole namespace by itself
+        if cfg["uid"] is not None:
+            kill_as(cfg["uid"])
+        kill_descendants()
+    os._exit(code)
+
+
+def kill_as(uid: int) -> None:
+    """kill(-1, SIGKILL) as `uid`: every process of the sandbox uid in one pass that the
+    kernel makes atomic against fork (a fork bomb cannot outrun it)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)      # NOTE: kill(-1) spares the caller itself
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def children() -> list[int]:
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == me:
+                found.append(int(name))
+    return found
+
+
+def kill_descendants(rounds: int = 200) -> None:
+    """SIGKILL children until none is left; orphans reparent to us (we are a subreaper)."""
+    for _ in range(rounds):
+        pids = children()
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def main() -> None:
+    """Entry point of the launcher child (see the module docstring)."""
+    cfg: dict[str, object] = json.loads(sys.argv[1])
+    job = json.loads(sys.stdin.buffer.read() or b"{}") if cfg["mode"] == "run" else {}
+    report: dict[str, object] = {"pid_namespace": os.getpid() == 1}
+    try:
+        confine.prctl(confine.PR_SET_CHILD_SUBREAPER, 1)
+        if cfg["level"] in NAMESPACE_LEVELS:
+            prepare_mounts(cfg, report)
+    except Exception as exc:
+        fail(cfg, f"sandbox setup failed: {error_line(exc)}")
+    pid = os.fork()
+    if pid == 0:
+        run_worker(cfg, job, report)
+    else:
+        supervise(pid, cfg)
