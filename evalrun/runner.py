@@ -1,15 +1,18 @@
 """Run a task on the dynamic generator: every request is queued at once; each
-document's row goes to the result store as soon as its last job finishes."""
+document's row goes to the result store as soon as its last job finishes (or, for a task
+whose scoring runs elsewhere, e.g. code in a sandbox, as soon as that Future completes:
+generation never waits for it)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
 from engine import DynamicGenerator, DynamicJob
-from tasks.base import Answer, DocPlan, Task
+from tasks.base import Answer, DocPlan, Request, Task
 
 
 @dataclass
@@ -19,6 +22,7 @@ class RunTotals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     wall_time: float = 0.0
+    metric: str = "correct"             # the row's boolean column counted in `correct`
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -28,11 +32,40 @@ class _Pending:
     answers: list[Answer] = field(default_factory=list)
 
 
+@dataclass
+class _Emitter:
+    """Rows go out through here: straight away, or when their scoring Future is done."""
+    task: Task
+    emit: Callable[[dict[str, Any]], None]
+    row_base: dict[str, Any]
+    totals: RunTotals
+    bar: Any
+    inflight: dict[Future, DocPlan] = field(default_factory=dict)
+
+    def scored(self, plan: DocPlan, scored: dict[str, Any] | Future) -> None:
+        if isinstance(scored, Future):
+            self.inflight[scored] = plan
+        else:
+            self.row(plan, scored)
+
+    def row(self, plan: DocPlan, scored: dict[str, Any]) -> None:
+        _emit(self.emit, self.totals, {**self.row_base, **_key(self.task, plan), **scored, "skipped": False})
+        self.bar.update(1)
+
+    def harvest(self, block: bool = False) -> None:
+        """Emit the rows of finished Futures; with `block`, wait for at least one first."""
+        if not self.inflight:
+            return
+        done = wait(list(self.inflight), timeout=None if block else 0, return_when=FIRST_COMPLETED).done
+        for fut in done:
+            self.row(self.inflight.pop(fut), fut.result())
+
+
 def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
              emit: Callable[[dict[str, Any]], None], row_base: dict[str, Any],
              progress: bool = True) -> RunTotals:
     """Queue every request of `plans`, drain the generator, emit one row per document."""
-    totals = RunTotals()
+    totals = RunTotals(metric=getattr(task, "progress_metric", "correct"))
     pending: dict[int, _Pending] = {}
     jobs = []
     for i, plan in enumerate(plans):
@@ -41,35 +74,43 @@ def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
                                  "skipped": True, "skip_reason": plan.skip_reason})
             continue
         pending[i] = _Pending(plan)
-        jobs += [DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
-                            identifier=(i, r)) for r in plan.requests]
+        jobs += [_job(r, (i, r)) for r in plan.requests]
     start = time.time()
     generator.enqueue(jobs)
-    bar = tqdm(total=len(pending), disable=not progress, unit="q", dynamic_ncols=True)
+    bar = tqdm(total=len(pending), disable=not progress, unit="doc", dynamic_ncols=True)
+    out = _Emitter(task, emit, row_base, totals, bar)
     while generator.num_remaining_jobs():
         for result in generator.iterate():
             if result["eos"]:
-                _collect(task, pending, result, emit, row_base, totals, bar)
+                _collect(task, pending, result, totals, out)
+        out.harvest()
+        _postfix(bar, totals, generator, start)
+    while out.inflight:
+        out.harvest(block=True)
         _postfix(bar, totals, generator, start)
     bar.close()
     totals.wall_time = time.time() - start
     return totals
 
 
-def _collect(task: Task, pending: dict[int, _Pending], result: dict, emit, row_base: dict,
-             totals: RunTotals, bar: tqdm) -> None:
+def _job(r: Request, identifier: Any) -> DynamicJob:
+    return DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
+                      stop_conditions=list(r.stop_conditions), gen_settings=r.sampler, seed=r.seed,
+                      identifier=identifier)
+
+
+def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: RunTotals, out: _Emitter) -> None:
     index, request = result["identifier"]
     entry = pending[index]
     entry.answers.append(Answer(request, result["job"].state.new_ids, result["full_completion"],
-                                result.get("logits"), result["prompt_tokens"], result["cached_tokens"]))
+                                result.get("logits"), result["prompt_tokens"], result["cached_tokens"],
+                                result.get("eos_reason")))
     totals.prompt_tokens += result["prompt_tokens"]
     totals.cached_tokens += result["cached_tokens"]
     if len(entry.answers) < len(entry.plan.requests):
         return
     del pending[index]
-    row = {**row_base, **_key(task, entry.plan), **task.score(entry.plan, entry.answers), "skipped": False}
-    _emit(emit, totals, row)
-    bar.update(1)
+    out.scored(entry.plan, task.score(entry.plan, entry.answers))
 
 
 def _emit(emit: Callable[[dict[str, Any]], None], totals: RunTotals, row: dict[str, Any]) -> None:
@@ -78,7 +119,7 @@ def _emit(emit: Callable[[dict[str, Any]], None], totals: RunTotals, row: dict[s
     totals.rows.append(row)
     if not row.get("skipped"):
         totals.docs += 1
-        totals.correct += bool(row.get("correct"))
+        totals.correct += bool(row.get(totals.metric))
 
 
 def _key(task: Task, plan: DocPlan) -> dict[str, Any]:
@@ -93,6 +134,7 @@ def _postfix(bar: tqdm, totals: RunTotals, generator: DynamicGenerator, start: f
     started = stats["cached_tokens"] + stats["prefill_tokens"]          # prompt tokens of admitted jobs
     hit = stats["cached_tokens"] / started if started else 0.0
     acc: Optional[float] = totals.correct / totals.docs if totals.docs else None
-    bar.set_postfix(acc="-" if acc is None else f"{acc:.3f}",
+    label = "acc" if totals.metric == "correct" else totals.metric
+    bar.set_postfix({label: "-" if acc is None else f"{acc:.3f}"},
                     tok_s=f"{(stats['prefill_tokens'] + stats['generated_tokens']) / elapsed:.0f}",
                     cache_hit=f"{hit:.0%}", refresh=False)

@@ -10,9 +10,12 @@ runner owns the generator and the result store; a task knows nothing of pages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Protocol
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Optional, Protocol, Union
 
 import torch
+
+from engine import SamplerSettings
 
 
 class TaskDataError(ValueError):
@@ -27,6 +30,9 @@ class Request:
     max_new_tokens: int = 1
     return_logits: bool = False
     part: int = 0                       # index of this request within its document
+    stop_conditions: tuple[int | str, ...] = ()     # stop token ids and stop strings
+    sampler: Optional[SamplerSettings] = None       # None: greedy
+    seed: Optional[int] = None
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Answer:
     logits: Optional[torch.Tensor]      # [n_new, vocab] float32 when requested
     prompt_tokens: int
     cached_tokens: int
+    stop_reason: Optional[str] = None   # "stop_token" | "stop_string" | "max_new_tokens"
 
 
 @dataclass
@@ -55,7 +62,8 @@ class Task(Protocol):
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]: ...
 
-    def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]: ...
+    def score(self, plan: DocPlan, answers: list[Answer]) -> Union[dict[str, Any], Future]:
+        """The document's row, or a Future of it (e.g. code still executing in a sandbox)."""
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
