@@ -19,7 +19,8 @@ from engine import Model, Tokenizer
 from evalrun.cli import main
 from evalrun.runner import run_task
 from tasks.base import DocPlan, Request
-from tasks.humaneval import STOP_STRINGS, extract_code, sample_seed
+from engine import SamplerSettings
+from tasks.humaneval import CHAT_INSTRUCTION, HumanEvalSettings, HumanEvalTask, extract_code, sample_seed
 from tasks.humaneval_data import load_humaneval, package_data_file
 from tasks.passk import pass_at_k, summarize_pass_at_k
 from engine_helpers import make_generator
@@ -66,6 +67,22 @@ def test_package_data_is_the_164_problems():
     assert package_data_file().name == "HumanEval.jsonl.gz"
 
 
+def test_hub_path_goes_through_datasets(monkeypatch, tmp_path):
+    import datasets
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        return datasets.Dataset.from_list(_problem_records(3))
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    data = load_humaneval(hub="openai_humaneval")
+    assert calls == [("openai_humaneval", "test")]
+    assert [p.task_id for p in data.problems] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    same_as_file = load_humaneval(_write_jsonl(tmp_path / "he3.jsonl", _problem_records(3)))
+    assert data.problems == same_as_file.problems and data.fingerprint == same_as_file.fingerprint
+
+
 def test_extract_code_from_chat_answers():
     whole = "Sure!\n```python\nfrom typing import List\n\ndef f(x):\n    return x + 1\n```\nDone."
     assert extract_code(whole, "f") == "\nfrom typing import List\n\ndef f(x):\n    return x + 1\n"
@@ -75,6 +92,21 @@ def test_extract_code_from_chat_answers():
     assert extract_code(two, "f") == "\ndef f(x):\n    return 2\n"
     assert extract_code("def f(x):\n    return 3", "f") == "\ndef f(x):\n    return 3\n"
     assert extract_code("```python\ndef f(x):\n    return 4", "f") == "\ndef f(x):\n    return 4\n"  # unclosed
+
+
+def test_plan_uses_unstripped_prompt_stop_strings_and_per_sample_seeds(tiny_model_dir):
+    tok = Tokenizer.load(tiny_model_dir)
+    settings = HumanEvalSettings(n_samples=3, sampler=SamplerSettings(temperature=0.5), max_new_tokens=100, limit=2)
+    plans = list(HumanEvalTask(load_humaneval(), settings).plan(tok, max_seq_len=10_000))
+    assert [p.doc_key for p in plans] == [(t, i) for t in ("HumanEval/0", "HumanEval/1") for i in range(3)]
+    r = plans[0].requests[0]
+    assert PROBLEMS[0].prompt.endswith('"""\n') and r.input_ids == tuple(tok.encode(PROBLEMS[0].prompt))
+    assert r.stop_conditions == (*tok.eos_token_ids, "\nclass", "\ndef", "\n#", "\nif", "\nprint")
+    assert r.max_new_tokens == 100 and r.sampler.temperature == 0.5
+    assert len({p.requests[0].seed for p in plans}) == 6
+    tight = list(HumanEvalTask(load_humaneval(), settings).plan(tok, max_seq_len=len(r.input_ids) + 10))
+    assert tight[0].requests[0].max_new_tokens == 10            # capped to the context left
+    assert all(p.skip_reason for p in HumanEvalTask(load_humaneval(), settings).plan(tok, max_seq_len=5))
 
 
 def test_sample_seeds_are_stable_and_distinct():
@@ -184,6 +216,43 @@ def test_rows_arrive_while_generation_goes_on(tiny_model_dir):
     assert any(remaining > 0 for _, remaining in emitted), "no row was emitted before generation ended"
 
 
+ADVERSARIAL = {
+    "fork bomb": "    import os\n    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass\n",
+    "kill the harness": "    import os, signal\n    os.kill(os.getppid(), 9)\n    os.killpg(0, 9)\n    os.kill(-1, 9)\n",
+    "exit before the asserts": "    import os\n    os._exit(0)\n",
+    "forge through frames": ("    import sys\n    f = sys._getframe()\n    while f:\n"
+                              "        for v in list(f.f_globals.values()) + list(f.f_locals.values()):\n"
+                              "            if isinstance(v, list):\n                v.append('passed')\n"
+                              "        f = f.f_back\n    sys.exit(0)\n"),
+    "infinite loop": "    while True:\n        pass\n",
+    "write outside": "    open('/tmp/evalrun-he-pwned', 'w').write('x')\n    return True\n",
+}
+
+
+def test_cli_keeps_going_through_adversarial_samples(tmp_path):
+    """The evalrun process itself is the sandbox's parent here: every attack fails, every row is
+    written, the run ends normally, and a canonical solution scored in the same run passes."""
+    Path("/tmp/evalrun-he-pwned").unlink(missing_ok=True)
+    records = [{"task_id": "HumanEval/0", "completion": c} for c in ADVERSARIAL.values()]
+    records.append({"task_id": "HumanEval/0", "completion": PROBLEMS[0].canonical_solution})
+    samples = _write_jsonl(tmp_path / "adv.jsonl", records)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "evalrun.cli", "humaneval", "--no-progress", "--timeout", "2",
+                           "--score-samples", str(samples), "--output-dir", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = pd.read_parquet(out / "samples.parquet").sort_values("sample_idx")
+    assert list(rows.passed) == [False] * len(ADVERSARIAL) + [True]
+    assert not Path("/tmp/evalrun-he-pwned").exists()
+
+
+def test_demo_model_runs_without_model_flag(tmp_path, smollm2_dir):
+    out = tmp_path / "run"
+    assert he("--limit", "2", "--max-new-tokens", "4", "--output-dir", str(out)) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["model_fingerprint"] and len(pd.read_parquet(out / "samples.parquet")) == 2
+
+
 # -- scoring vs the official evaluator -------------------------------------------------------------
 
 def _wrong_completion(i: int) -> str:
@@ -265,6 +334,18 @@ def test_tiny_model_run_resume_extend_and_seeds(tmp_path, tiny_model_dir):
     assert a.nunique() > 3                                   # sampling really varies between samples
     # another model is refused on resume
     assert he(*common[2:], "--model", str(tmp_path / "nope"), "--output-dir", str(out)) == 2
+
+
+def test_chat_mode_wraps_prompt_and_extracts(tmp_path, tiny_model_dir):
+    out = tmp_path / "chat"
+    assert he("--model", str(tiny_model_dir), "--dtype", "float32", "--cache-mode", "fp32", "--limit", "2",
+              "--max-new-tokens", "8", "--chat", "--output-dir", str(out)) == 0
+    rows = pd.read_parquet(out / "samples.parquet")
+    assert list(rows.completion) == [extract_code(r, p.entry_point) for r, p in zip(rows.response, PROBLEMS[:2])]
+    tok = Tokenizer.load(tiny_model_dir)
+    chat_prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=PROBLEMS[0].prompt)}])
+    assert rows.prompt_tokens.iloc[0] == len(tok.encode(chat_prompt, encode_special_tokens=True))
+    assert rows.prompt_tokens.iloc[0] > len(tok.encode(PROBLEMS[0].prompt))
 
 
 @pytest.mark.slow
