@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from evalrun import __version__
@@ -83,6 +85,17 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (a scheduler's stop, `timeout`, `kill`) unwinds like Ctrl-C: the run's context
+    managers flush buffered rows and end the sandbox processes before the process exits."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run; returns the exit status."""
     parser = build_parser()
@@ -91,6 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 0
     from evalrun.errors import BadInput, as_bad_input
+    _exit_on_sigterm()
     try:
         if args.command == "mmlu":
             from evalrun.mmlu_cmd import run_mmlu

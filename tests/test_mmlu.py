@@ -170,6 +170,25 @@ def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
                                atol=1e-5, rtol=0)
 
 
+def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
+    """With parts flushed only every 1000 rows, a SIGTERM still leaves every finished row on disk."""
+    out = tmp_path / "term"
+    cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--dtype", "float32", "--cache-mode", "fp32",
+           "--model", str(tiny_model_dir), "--data-dir", str(DATA), "--limit", "40", "--max-batch-size", "1",
+           "--output-dir", str(out), "--flush-rows", "1000", "--flush-seconds", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and "acc=" not in proc.stderr.read(200):
+        pass
+    time.sleep(1.0)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    parts = list((out / "samples").glob("part-*.parquet"))
+    assert len(parts) == 1 and not (out / "samples.parquet").exists()
+    rows = pd.read_parquet(parts[0])
+    assert 0 < len(rows) < 57 * 40 and not rows[["subject", "doc_id"]].duplicated().any()
+
+
 @pytest.mark.slow
 def test_smollm2_predictions_match_transformers(smollm2_dir, data):
     from transformers import AutoModelForCausalLM
