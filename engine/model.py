@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kernels.attention import AttentionMetadata, paged_attention
 from kernels.cache_ops import write_kv
+from kernels.linear import Linear, linear, make_linear
 
 from .config import ModelConfig
 from .rope import apply_rope, rope_inv_freq, rope_table
@@ -23,8 +24,6 @@ from .weights import WeightReader
 
 if TYPE_CHECKING:
     from .cache import PagedCache
-
-SMALL_M = 64   # CPU: below this many rows, W @ x^T runs ~1.7x faster than x @ W^T in MKL
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,24 +40,23 @@ class ForwardBatch:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor       # [H]
-    wqkv: torch.Tensor             # [(Hq + 2 Hkv) * D, H]
-    bqkv: Optional[torch.Tensor]   # [(Hq + 2 Hkv) * D]
-    wo: torch.Tensor               # [H, Hq * D]
+    wqkv: Linear                   # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D] (Qwen2)
+    wo: Linear                     # [H, Hq * D]
     post_norm: torch.Tensor        # [H]
-    w_gate_up: torch.Tensor        # [2 I, H]
-    w_down: torch.Tensor           # [H, I]
+    w_gate_up: Linear              # [2 I, H]
+    w_down: Linear                 # [H, I]
 
 
 class Model:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype, device: torch.device):
+                 final_norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device):
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm           # float32: the head runs in float32
-        self.lm_head = lm_head                 # [V, H] float32
+        self.lm_head = lm_head                 # [V, H] float32, not prepacked (few rows)
         cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
@@ -89,18 +87,18 @@ class Model:
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, x, cos, sin, batch, cache)
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = _linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer.w_down)
+            gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.w_down)
         h = x.index_select(0, batch.logits_indices).float()               # [N, H]
         h = F.rms_norm(h, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
-        return _linear(h, self.lm_head)                                   # [N, V] float32
+        return linear(h, self.lm_head)                                    # [N, V] float32
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
         cfg = self.config
         t = x.shape[0]
         h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-        qkv = _linear(h, layer.wqkv, layer.bqkv)
+        qkv = linear(h, layer.wqkv)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
         k = qkv[:, q_size: q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -110,15 +108,7 @@ class Model:
         k_cache, v_cache = cache.layer(i)
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
-        return _linear(o.reshape(t, q_size), layer.wo)
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T (+ b). Few rows on CPU: computed as (w @ x^T)^T."""
-    if x.device.type != "cpu" or x.shape[0] > SMALL_M:
-        return F.linear(x, w, b)
-    y = torch.mm(w, x.t()).t()
-    return (y if b is None else y + b).contiguous()
+        return linear(o.reshape(t, q_size), layer.wo)
 
 
 def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device) -> Model:
@@ -139,14 +129,14 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
                              r.get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h))])
         layers.append(LayerWeights(
             input_norm=r.get(p + "input_layernorm.weight", (h,)),
-            wqkv=wqkv, bqkv=bqkv,
-            wo=r.get(p + "self_attn.o_proj.weight", (h, q_rows)),
+            wqkv=make_linear(wqkv, bqkv),
+            wo=make_linear(r.get(p + "self_attn.o_proj.weight", (h, q_rows))),
             post_norm=r.get(p + "post_attention_layernorm.weight", (h,)),
-            w_gate_up=gate_up,
-            w_down=r.get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+            w_gate_up=make_linear(gate_up),
+            w_down=make_linear(r.get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size))),
         ))
     embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
     final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
-    return Model(cfg, embed, layers, final_norm, lm_head, dtype, device)
+    return Model(cfg, embed, layers, final_norm, make_linear(lm_head, pack=False), dtype, device)

@@ -89,3 +89,21 @@ def test_write_kv_casts_to_storage_dtype(dtype):
     write_kv(k, v, k_cache, v_cache, torch.tensor([5, 0]))
     torch.testing.assert_close(k_cache[1, 1], k[0].to(dtype))
     torch.testing.assert_close(v_cache[0, 0], v[1].to(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300, 2048])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_dispatch_matches_reference(rows, with_bias):
+    from kernels.linear import linear, linear_reference, make_linear, onednn_available
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=gen)
+    b = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 80, generator=gen)
+    lin = make_linear(w, b)
+    assert (lin.packed is not None) == onednn_available()
+    ref = linear_reference(x.double(), make_linear(w.double(), None if b is None else b.double(), pack=False))
+    torch.testing.assert_close(linear(x, lin).double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x[:, :], make_linear(w, b, pack=False)).double(), ref, rtol=1e-5, atol=1e-4)
+    bf = make_linear(w.bfloat16(), None if b is None else b.bfloat16())
+    assert bf.packed is None                                  # only float32 is prepacked
+    torch.testing.assert_close(linear(x.bfloat16(), bf).double(), ref, rtol=3e-2, atol=0.3)
