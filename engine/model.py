@@ -56,7 +56,7 @@ class Model:
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm           # float32: the head runs in float32
-        self.lm_head = lm_head                 # [V, H] float32, not prepacked (few rows)
+        self.lm_head = lm_head                 # [V, H] float32 (prepacked on CPU: ~2x at 32 rows)
         cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
@@ -139,4 +139,4 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
     final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
-    return Model(cfg, embed, layers, final_norm, make_linear(lm_head, pack=False), dtype, device)
+    return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device)
