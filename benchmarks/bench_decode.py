@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (start_run, CACHE_MODE, TORCH_DTYPE, base_parser, machine_info, print_machine, ratio,
+from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, ratio,
                                timed, write_result)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
@@ -56,7 +56,7 @@ def humaneval_prompts(n: int) -> list[str]:
 def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
     model = Model.load(model_dir, dtype=args.dtype)
     mode = CACHE_MODE[args.dtype]
-    warm_up_ours(model, tokenizer, mode, args.page_size)
+    warm_up_ours(model, tokenizer, mode, args.page_size, 'def f(x):')
     cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=mode)
     generator = DynamicGenerator(model, cache, tokenizer)
     completions: list[list[int]] = [[] for _ in prompts]
@@ -71,15 +71,6 @@ def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, prompts: list[lis
                     first_token_s[r["identifier"]] = r["time_enqueued"] + r["time_prefill"]
     return {"seconds": t.seconds, "completions": completions, "stats": generator.stats(),
             "last_first_token_s": max(first_token_s)}
-
-
-def warm_up_ours(model: Model, tokenizer: Tokenizer, mode: str, page_size: int) -> None:
-    """One short job on a throw-away cache: prefill and decode paths run once."""
-    cache = PagedCache(model, max_tokens=2 * page_size, page_size=page_size, mode=mode)
-    generator = DynamicGenerator(model, cache, tokenizer)
-    generator.enqueue(DynamicJob(tokenizer.encode("def f(x):"), max_new_tokens=2))
-    while generator.num_remaining_jobs():
-        generator.iterate()
 
 
 # --- transformers ------------------------------------------------------------------

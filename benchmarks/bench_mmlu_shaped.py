@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (start_run, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
-                               load_mmlu, machine_info, mmlu_prompt, print_machine, ratio, select_mmlu,
+from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
+                               load_mmlu, mmlu_prompt, ratio, select_mmlu,
                                timed, write_result)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
@@ -74,7 +74,7 @@ def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, questions: list[Q
              choice_ids: list[int]) -> dict[str, Any]:
     model = Model.load(model_dir, dtype=args.dtype)
     mode = CACHE_MODE[args.dtype]
-    warm_up_ours(model, tokenizer, mode, args.page_size)
+    warm_up_ours(model, tokenizer, mode, args.page_size, 'The answer is')
     cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=mode)
     generator = DynamicGenerator(model, cache, tokenizer)
     logprobs = torch.full((len(questions), 4), float("nan"))
@@ -86,15 +86,6 @@ def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, questions: list[Q
                 if r["eos"]:
                     logprobs[r["identifier"]] = choice_logprobs(r["logits"][-1], choice_ids)
     return {"seconds": t.seconds, "logprobs": logprobs, "stats": generator.stats()}
-
-
-def warm_up_ours(model: Model, tokenizer: Tokenizer, mode: str, page_size: int) -> None:
-    """One short job on a throw-away cache: prefill and decode paths run once."""
-    cache = PagedCache(model, max_tokens=2 * page_size, page_size=page_size, mode=mode)
-    generator = DynamicGenerator(model, cache, tokenizer)
-    generator.enqueue(DynamicJob(tokenizer.encode("The answer is"), max_new_tokens=2))
-    while generator.num_remaining_jobs():
-        generator.iterate()
 
 
 # --- transformers ------------------------------------------------------------------

@@ -186,3 +186,13 @@ def select_mmlu(test: Any, subjects: list[str], n: int) -> list[Any]:
             raise ValueError(f"subject {subject!r} has only {len(found)} test questions, {want} requested")
         rows.extend(found.itertuples())
     return rows
+
+
+def warm_up_ours(model: Any, tokenizer: Any, mode: str, page_size: int, prompt: str) -> None:
+    """One short job on a throw-away cache: our prefill and decode paths run once before timing."""
+    from engine import DynamicGenerator, DynamicJob, PagedCache
+    cache = PagedCache(model, max_tokens=2 * page_size, page_size=page_size, mode=mode)
+    generator = DynamicGenerator(model, cache, tokenizer)
+    generator.enqueue(DynamicJob(tokenizer.encode(prompt), max_new_tokens=2))
+    while generator.num_remaining_jobs():
+        generator.iterate()

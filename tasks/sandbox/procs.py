@@ -13,12 +13,14 @@ def _status(pid: str) -> dict[str, str]:
         return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 
 
+def _pids() -> list[str]:
+    return [name for name in os.listdir("/proc") if name.isdigit()]
+
+
 def live_pids_of_uid(uid: int) -> list[int]:
     """Running (not zombie) processes whose real or effective uid is `uid`."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in _pids():
         try:
             status = _status(name)
         except OSError:
@@ -32,9 +34,7 @@ def live_pids_of_uid(uid: int) -> list[int]:
 def children_of(pid: int) -> list[int]:
     """Processes whose parent is `pid`."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in _pids():
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
                 ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
