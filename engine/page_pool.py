@@ -200,11 +200,15 @@ class PagePool:
 
     # --- maintenance ------------------------------------------------------
     def compaction_plan(self) -> dict[int, int]:
-        """When no page is referenced: old -> new ids packing cached pages to the front,
-        LRU order kept. Apply with `apply_compaction` after moving the K/V."""
+        """When no page is referenced: old -> new ids packing the n cached pages into ids
+        [0, n), in LRU order. Pages already below n stay put; only those at n or above
+        move, into the holes below n (the fewest K/V copies). Apply with
+        `apply_compaction` after moving the K/V."""
         if self.num_in_use:
             raise RuntimeError("compaction needs every page unreferenced")
-        return {old: new for new, old in enumerate(self.cached)}
+        n = len(self.cached)
+        holes = iter([i for i in range(n) if i not in self.cached])
+        return {old: old if old < n else next(holes) for old in self.cached}
 
     def apply_compaction(self, plan: dict[int, int]) -> None:
         moved = {plan[old]: self.pages[old] for old in plan}

@@ -160,3 +160,24 @@ def test_compaction_packs_cached_pages_to_the_front():
     assert list(pool.cached) == [0, 1, 2] and list(pool.free) == [3, 4, 5]
     m = pool.match_prefix([3, 4, 9], 2)
     assert m.full_pages == [1]
+
+
+def test_compaction_moves_only_pages_above_the_cached_count():
+    """Pages already inside [0, n) keep their ids; only pages at n or above fill the holes."""
+    pool = PagePool(8, 2)
+    pages = pool.allocate(8)
+    kept = {0: [1, 2], 2: [3, 4], 5: [5, 6], 7: [7, 8]}
+    for pid, toks in kept.items():
+        pool.register(pages[pid], ROOT_HASH, toks)
+        pool.mark_valid(pages[pid], 2)
+    for pid in pages:
+        pool.release(pid)
+    lru = list(pool.cached)
+    plan = pool.compaction_plan()
+    assert plan[0] == 0 and plan[2] == 2
+    assert sorted([plan[5], plan[7]]) == [1, 3]
+    pool.apply_compaction(plan)
+    assert sorted(pool.cached) == [0, 1, 2, 3] and list(pool.free) == [4, 5, 6, 7]
+    assert list(pool.cached) == [plan[old] for old in lru]          # LRU order kept
+    for old, toks in kept.items():
+        assert pool.pages[plan[old]].tokens == tuple(toks)
