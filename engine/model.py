@@ -85,30 +85,30 @@ class Model:
         cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
         sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, x, cos, sin, batch, cache)
+            x = self._attention(i, layer, x, cos, sin, batch, cache)          # x + attention
             h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
             gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down)
+            x = linear(F.silu(gate).mul_(up), layer.w_down, residual=x)
         h = x.index_select(0, batch.logits_indices).float()               # [N, H]
         h = F.rms_norm(h, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head)                                    # [N, V] float32
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
+        """x + self-attention(x) (the residual add fused into the output projection)."""
         cfg = self.config
         t = x.shape[0]
         h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q = qkv[:, :q_size].view(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, q_size: q_size + kv_size].view(t, cfg.num_kv_heads, cfg.head_dim)
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                        cos, sin)                                          # q and k heads at once
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
         k_cache, v_cache = cache.layer(i)
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
-        return linear(o.reshape(t, q_size), layer.wo)
+        return linear(o.reshape(t, q_size), layer.wo, residual=x)
 
 
 def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device) -> Model:

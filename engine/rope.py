@@ -44,7 +44,12 @@ def rope_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] already gathered at the tokens' positions."""
+    """x [T, H, D] (may be a strided view); cos/sin [T, D] already gathered at the tokens'
+    positions. Returns a new [T, H, D] tensor: x * cos + rotate_half(x) * sin, computed as
+    one multiply and two multiply-adds on the halves (no concatenated copy of x)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out

@@ -23,11 +23,15 @@ or NaN slots are never touched.
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 
 @dataclass
@@ -151,6 +155,73 @@ def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Dispatch: the torch reference everywhere for now; a flash-attn paged backend
+    """Dispatch. CPU: decode sequences go to the native paged kernel when it is built
+    (`kernels.native`), prefill sequences to the torch reference (SDPA on a gathered
+    context). Elsewhere the torch reference; a flash-attn paged backend
     (`flash_attn_varlen_func` with `block_table`) slots in here on CUDA."""
+    if meta.num_decode and decode_native_supported(q, k_cache):
+        out = torch.empty_like(q)
+        out[: meta.num_decode] = paged_decode_native(q[: meta.num_decode], k_cache, v_cache,
+                                                     meta.page_table[: meta.num_decode],
+                                                     meta.seq_lens_k[: meta.num_decode], scale)
+        if meta.prefill:
+            rest = _prefill_only(meta)
+            out[meta.num_decode:] = paged_attention_torch(q, k_cache, v_cache, rest, scale)[meta.num_decode:]
+        return out
     return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
+    return dataclasses.replace(meta, num_decode=0, decode_slots=None, decode_mask=None)
+
+
+# --- native CPU decode ---------------------------------------------------------------
+_NATIVE_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _decode_lib() -> Optional[ctypes.CDLL]:
+    lib = native.load("paged_decode")
+    if lib is not None and not getattr(lib, "_evalrun_typed", False):
+        lib.paged_decode.restype = ctypes.c_int
+        lib.paged_decode.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                     ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib._evalrun_typed = True
+    return lib
+
+
+def decode_native_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """CPU, a float32/bfloat16 contiguous cache, shapes within the kernel's limits, and built."""
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[2]
+    shapes_ok = hq % hkv == 0 and hq // hkv <= 64 and d <= 512 and (hq // hkv) * d <= 4096
+    return (q.device.type == "cpu" and k_cache.dtype in _NATIVE_CACHE_DTYPES and shapes_ok
+            and k_cache.is_contiguous() and _decode_lib() is not None)
+
+
+def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] (one token per sequence) -> [B, Hq, D] in q's dtype, read from the pages
+    in place; float32 math. Same contract as `_decode` (the reference)."""
+    lib = _decode_lib()
+    if lib is None:
+        raise RuntimeError("the native paged decode kernel is not available (see kernels.native)")
+    b, hq, d = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
+        raise ValueError("paged_decode_native needs contiguous K/V caches of one dtype")
+    qf = q.float().contiguous()
+    table = page_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    threads = max(1, min(torch.get_num_threads(), b * hkv))
+    lmax = int(lens.max())
+    scratch = torch.empty(threads * (hq // hkv) * lmax, dtype=torch.float32)
+    out = torch.empty(b, hq, d, dtype=torch.float32)
+    rc = lib.paged_decode(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          _NATIVE_CACHE_DTYPES[k_cache.dtype], table.data_ptr(), table.shape[1],
+                          lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, s, scale,
+                          scratch.data_ptr(), lmax, threads)
+    if rc != 0:
+        raise ValueError(f"native paged decode does not support Hq={hq}, Hkv={hkv}, D={d}")
+    return out.to(q.dtype)

@@ -46,15 +46,23 @@ def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack:
     return Linear(weight, bias, packed)
 
 
-def linear_reference(x: torch.Tensor, lin: Linear) -> torch.Tensor:
-    return F.linear(x, lin.weight, lin.bias)
+def linear_reference(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = F.linear(x, lin.weight, lin.bias)
+    return y if residual is None else residual + y
 
 
-def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
-    """Dispatch: oneDNN on a packed weight, else (w @ x^T)^T for few CPU rows, else F.linear."""
+def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ w^T (+ b) (+ residual). Dispatch: oneDNN on a packed weight (the residual add
+    fused as a post-op: one pass over the output instead of two), else (w @ x^T)^T for
+    few CPU rows, else F.linear."""
     if lin.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), lin.packed, lin.bias, "none", [], "")
-    if x.device.type != "cpu" or x.shape[0] > SMALL_M:
-        return F.linear(x, lin.weight, lin.bias)
-    y = torch.mm(lin.weight, x.t()).t()
-    return (y if lin.bias is None else y + lin.bias).contiguous()
+        if residual is not None and residual.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(),
+                                                             lin.packed, lin.bias, "add")
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), lin.packed, lin.bias, "none", [], "")
+    elif x.device.type != "cpu" or x.shape[0] > SMALL_M:
+        y = F.linear(x, lin.weight, lin.bias)
+    else:
+        y = torch.mm(lin.weight, x.t()).t()
+        y = (y if lin.bias is None else y + lin.bias).contiguous()
+    return y if residual is None else residual + y

@@ -107,3 +107,23 @@ def test_linear_dispatch_matches_reference(rows, with_bias):
     bf = make_linear(w.bfloat16(), None if b is None else b.bfloat16())
     assert bf.packed is None                                  # only float32 is prepacked
     torch.testing.assert_close(linear(x.bfloat16(), bf).double(), ref, rtol=3e-2, atol=0.3)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 65, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_with_residual_matches_reference(rows, with_bias):
+    """residual + x @ w^T (+ b): the oneDNN fused post-op, the small-row and F.linear paths."""
+    from kernels.linear import linear, linear_reference, make_linear
+    gen = torch.Generator().manual_seed(100 + rows)
+    w = torch.randn(96, 80, generator=gen)
+    b = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 80, generator=gen)
+    r = torch.randn(rows, 96, generator=gen)
+    r_before = r.clone()
+    ref = linear_reference(x.double(), make_linear(w.double(), None if b is None else b.double(), pack=False),
+                           residual=r.double())
+    for lin in (make_linear(w, b), make_linear(w, b, pack=False)):
+        out = linear(x, lin, residual=r)
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+        assert torch.equal(r, r_before)                      # the residual is not written to

@@ -143,12 +143,21 @@ def test_tiny_prompt_cache_after_defragment(tiny_model_factory) -> None:
     cache = PagedCache(model, max_tokens=1024, page_size=16, mode="fp32")
     cache.fill_unused()
     generator = DynamicGenerator(model, cache)
-    # `other` holds the low pages and finishes last, so the defragment moves `prompt`'s pages down
+    # `other` takes the low pages; evicting them leaves holes below `prompt`'s pages, which
+    # the defragment then moves down
     generator.enqueue([DynamicJob(other, max_new_tokens=6), DynamicJob(prompt[:40], max_new_tokens=1)])
     while generator.num_remaining_jobs():
         generator.iterate()
-    assert cache.pool.num_in_use == 0
-    assert cache.pool.pages[0].tokens == tuple(prompt[:16])          # moved down from page 5
+    pool = cache.pool
+    assert pool.num_in_use == 0
+    first = next(p.page_id for p in pool.pages if p.tokens == tuple(prompt[:16]))
+    for pid in [pid for pid in pool.cached if pid < first]:
+        pool.cached.pop(pid)
+        pool._forget(pool.pages[pid])
+        pool.free[pid] = None
+    generator.defragment()
+    moved = next(p.page_id for p in pool.pages if p.tokens == tuple(prompt[:16]))
+    assert moved < first and sorted(pool.cached) == list(range(len(pool.cached)))
     jobs = [DynamicJob(prompt[:n], max_new_tokens=1, return_logits=True, identifier=n) for n in (35, 40, 50)]
     generator.enqueue(jobs)
     got: dict[int, torch.Tensor] = {}

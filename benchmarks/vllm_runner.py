@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Standalone vLLM scoring runner used to compare evalrun against vLLM (CPU build).
+
+Runs under a separate virtual environment that has vLLM installed (e.g.
+/tmp/vllm-venv/bin/python); it imports nothing from this repository, only the
+standard library and vllm.
+
+Usage:
+    python benchmarks/vllm_runner.py --model DIR --in prompts.json --out result.json \
+        [--dtype float32] [--prefix-caching/--no-prefix-caching] [--max-model-len 4096] \
+        [--method token_ids|full_vocab] [--enforce-eager]
+
+Input JSON:  {"prompts": [[token ids], ...], "choice_ids": [id_A, id_B, id_C, id_D]}
+             Token ids are passed verbatim (no BOS added).
+Output JSON: {"vllm_version", "load_seconds", "warmup_seconds", "seconds",
+              "choice_logprobs": [[4 floats] per prompt], "prompt_tokens",
+              "method", "settings"}
+
+For each prompt the natural-log, full-vocabulary log-softmax of the choice ids
+at the position right after the prompt is obtained by a greedy generation of a
+single token (temperature 0, max_tokens=1):
+
+* method "token_ids" (default): SamplingParams(logprob_token_ids=choice_ids).
+  vLLM's sampler computes log_softmax over the full vocabulary of the raw
+  logits (logprobs_mode="raw_logprobs", fp32) and gathers the requested ids,
+  so the values are exact full-vocab log-probs (no renormalisation, no top-k).
+* method "full_vocab": SamplingParams(logprobs=-1) with the engine's
+  max_logprobs=-1, returning all vocab_size log-probs per prompt (slow, mainly
+  for cross-checking); the choice ids are picked out of that.
+
+Recommended environment on a CPU host:
+    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ENV_KEYS = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "HF_HUB_OFFLINE",
+    "OMP_NUM_THREADS",
+)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--in", dest="inp", required=True, help="input prompts JSON")
+    p.add_argument("--out", required=True, help="output result JSON")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--prefix-caching",
+        dest="prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="enable vLLM automatic prefix caching (default: on)",
+    )
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--method",
+        choices=("token_ids", "full_vocab"),
+        default="token_ids",
+        help="how log-probs are obtained (see module docstring)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="disable torch.compile in vLLM (faster start, maybe slower run)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def load_input(path):
+    with open(path) as f:
+        data = json.load(f)
+    prompts = data["prompts"]
+    choice_ids = [int(t) for t in data["choice_ids"]]
+    if not prompts:
+        raise SystemExit("no prompts in input")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise SystemExit(f"prompt {i} is empty")
+    prompts = [[int(t) for t in p] for p in prompts]
+    return prompts, choice_ids
+
+
+def warmup_prompts(prompts, choice_ids):
+    """Two short, distinct prompts (built from the input's own ids)."""
+    first = prompts[0]
+    a = first[: min(8, len(first))]
+    b = list(reversed(first[: min(12, len(first))])) + [choice_ids[0]]
+    if a == b:
+        b = a + [choice_ids[1]]
+    return [a, b]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    prompts, choice_ids = load_input(args.inp)
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    try:
+        from vllm.inputs import TokensPrompt
+    except ImportError:  # very old versions: plain dicts work as well
+        TokensPrompt = dict  # type: ignore
+
+    engine_kwargs = dict(
+        model=args.model,
+        tokenizer=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        seed=args.seed,
+        trust_remote_code=False,
+    )
+    if args.enforce_eager:
+        engine_kwargs["enforce_eager"] = True
+    if args.method == "full_vocab":
+        engine_kwargs["max_logprobs"] = -1  # no cap: allow logprobs=-1
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    load_seconds = time.perf_counter() - t0
+
+    if args.method == "token_ids":
+        sp = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            logprob_token_ids=list(choice_ids),
+        )
+        method = (
+            "SamplingParams(max_tokens=1, temperature=0, logprob_token_ids=choice_ids): "
+            "vLLM gathers the requested ids from log_softmax over the full vocab of the "
+            "raw fp32 logits (logprobs_mode=raw_logprobs); exact full-vocab log-probs"
+        )
+    else:
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1)
+        method = (
+            "SamplingParams(max_tokens=1, temperature=0, logprobs=-1) with engine "
+            "max_logprobs=-1: all vocab_size raw log-probs returned, choice ids picked out"
+        )
+
+    def to_inputs(ps):
+        return [TokensPrompt(prompt_token_ids=p) for p in ps]
+
+    def extract(outputs):
+        res = []
+        for i, out in enumerate(outputs):
+            lp = out.outputs[0].logprobs
+            if not lp:
+                raise RuntimeError(f"prompt {i}: vLLM returned no logprobs")
+            first = lp[0]
+            row = []
+            for cid in choice_ids:
+                entry = first.get(cid) if hasattr(first, "get") else first[cid]
+                if entry is None:
+                    raise RuntimeError(
+                        f"prompt {i}: choice id {cid} missing from returned logprobs"
+                    )
+                row.append(float(entry.logprob))
+            res.append(row)
+        return res
+
+    t0 = time.perf_counter()
+    wout = llm.generate(to_inputs(warmup_prompts(prompts, choice_ids)), sp, use_tqdm=False)
+    extract(wout)
+    warmup_seconds = time.perf_counter() - t0
+
+    inputs = to_inputs(prompts)
+    t0 = time.perf_counter()
+    outputs = llm.generate(inputs, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+
+    choice_logprobs = extract(outputs)
+    for i, row in enumerate(choice_logprobs):
+        if not all(math.isfinite(x) for x in row):
+            print(f"warning: non-finite log-prob in prompt {i}: {row}", file=sys.stderr)
+
+    settings = dict(engine_kwargs)
+    settings["env"] = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    try:
+        import torch
+
+        settings["torch_version"] = torch.__version__
+        settings["torch_num_threads"] = torch.get_num_threads()
+    except Exception:  # pragma: no cover
+        pass
+
+    result = {
+        "vllm_version": getattr(vllm, "__version__", "unknown"),
+        "load_seconds": load_seconds,
+        "warmup_seconds": warmup_seconds,
+        "seconds": seconds,
+        "choice_logprobs": choice_logprobs,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "num_prompts": len(prompts),
+        "choice_ids": choice_ids,
+        "method": method,
+        "settings": settings,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(
+        f"vllm {result['vllm_version']}: load {load_seconds:.1f}s, warmup "
+        f"{warmup_seconds:.2f}s, generate {seconds:.2f}s for {len(prompts)} prompts "
+        f"({result['prompt_tokens']} tokens) -> {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Native CPU kernels: small C files in kernels/csrc/, compiled on first use and loaded
+with ctypes (no torch headers, so a build takes about a second).
+
+Built with the system C compiler (`$CC`, else `cc`/`gcc`) for this CPU (-march=native),
+into `$EVALRUN_CACHE/kernels` (else `~/.cache/evalrun/kernels`) under a name that hashes
+the source, the flags and the CPU's flags, written atomically so parallel processes
+can share it. Without a compiler, or with `EVALRUN_NATIVE=0`, `load()` returns None and
+callers use their torch reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
+LIBS = ["-lm", "-lpthread"]
+_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("EVALRUN_NATIVE", "1") not in ("0", "false", "no", "")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("EVALRUN_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "evalrun") / "kernels"
+
+
+def compiler() -> Optional[str]:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def load(name: str) -> Optional[ctypes.CDLL]:
+    """The compiled library for csrc/<name>.c, or None (disabled, no compiler, build error)."""
+    if not enabled():
+        return None
+    if name not in _loaded:
+        _loaded[name] = _build_and_load(name)
+    return _loaded[name]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
+    cc = compiler()
+    if cc is None:
+        log.info("no C compiler found: native kernel %s disabled, using the torch reference", name)
+        return None
+    src = CSRC / f"{name}.c"
+    key = hashlib.sha256(src.read_bytes() + " ".join(FLAGS + LIBS).encode() + _cpu_flags().encode())
+    out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if not out.exists():
+        tmp: Optional[str] = None
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            subprocess.run([cc, *FLAGS, str(src), "-o", tmp, *LIBS], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(tmp, out)
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            log.warning("building native kernel %s failed, using the torch reference: %s", name, detail)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return None
+    try:
+        return ctypes.CDLL(str(out))
+    except OSError as e:
+        log.warning("loading native kernel %s failed, using the torch reference: %s", name, e)
+        return None

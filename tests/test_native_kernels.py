@@ -1,0 +1,114 @@
+"""Native CPU kernels (kernels/csrc, built by kernels.native) against their torch reference."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.attention import (build_metadata, decode_native_supported, paged_attention,
+                               paged_attention_torch, paged_decode_native)
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+    """An empty kernel cache dir and no library loaded yet in this process."""
+    monkeypatch.setenv("EVALRUN_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    return tmp_path
+
+
+def _need_native():
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch reference is used instead")
+    assert native.load("paged_decode") is not None, "a compiler exists but the kernel did not build"
+
+
+def _paged_case(hq, hkv, d, page_size, lens, dtype, seed):
+    """Random K/V for each sequence on shuffled pages of a NaN-poisoned cache."""
+    g = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_needed) + 3
+    k = torch.full((num_pages + 1, page_size, hkv, d), float("nan"), dtype=dtype)
+    v = torch.full_like(k, float("nan"))
+    k[num_pages] = 0
+    v[num_pages] = 0
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = []
+    for n, need in zip(lens, pages_needed):
+        pages, perm = perm[:need], perm[need:]
+        for p in range(n):
+            k[pages[p // page_size], p % page_size] = torch.randn(hkv, d, generator=g).to(dtype)
+            v[pages[p // page_size], p % page_size] = torch.randn(hkv, d, generator=g).to(dtype)
+        tables.append(pages)
+    meta = build_metadata([1] * len(lens), lens, tables, page_size, num_pages, torch.device("cpu"))
+    q = torch.randn(len(lens), hq, d, generator=g)
+    return q, k, v, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,page_size", [(9, 3, 64, 256), (8, 8, 32, 16), (4, 1, 128, 16), (6, 2, 16, 4)])
+def test_native_decode_matches_torch_reference(dtype, hq, hkv, d, page_size):
+    _need_native()
+    lens = [1, 5, page_size, page_size + 1, 3 * page_size - 2, 17, 2 * page_size]
+    q, k, v, meta = _paged_case(hq, hkv, d, page_size, lens, dtype, seed=hq * d + page_size)
+    ref = paged_attention_torch(q, k, v, meta, d ** -0.5)
+    out = paged_decode_native(q, k, v, meta.page_table, meta.seq_lens_k, d ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    assert decode_native_supported(q, k)
+    torch.testing.assert_close(paged_attention(q, k, v, meta, d ** -0.5), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_dispatch_mixes_native_decode_and_torch_prefill():
+    """Decode rows through the native kernel, prefill rows through SDPA, in one call."""
+    _need_native()
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, ps = 6, 2, 16, 8
+    q_lens, k_lens = [1, 1, 9, 4], [3, 20, 9, 30]
+    k = torch.full((40, ps, hkv, d), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    k[39] = 0
+    v[39] = 0
+    perm = torch.randperm(39, generator=g).tolist()
+    tables = []
+    for n in k_lens:
+        need = -(-n // ps)
+        pages, perm = perm[:need], perm[need:]
+        for p in range(n):
+            k[pages[p // ps], p % ps] = torch.randn(hkv, d, generator=g)
+            v[pages[p // ps], p % ps] = torch.randn(hkv, d, generator=g)
+        tables.append(pages)
+    meta = build_metadata(q_lens, k_lens, tables, ps, 39, torch.device("cpu"))
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    ref = paged_attention_torch(q, k, v, meta, d ** -0.5)
+    torch.testing.assert_close(paged_attention(q, k, v, meta, d ** -0.5), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_native_disabled_by_env_uses_reference(monkeypatch, fresh_native):
+    monkeypatch.setenv("EVALRUN_NATIVE", "0")
+    q, k, v, meta = _paged_case(6, 2, 16, 8, [3, 9, 17], torch.float32, seed=5)
+    assert native.load("paged_decode") is None
+    assert not decode_native_supported(q, k)
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.25), paged_attention_torch(q, k, v, meta, 0.25))
+    assert not list(fresh_native.glob("kernels/*.so"))
+
+
+def test_failed_build_falls_back_with_a_warning(monkeypatch, fresh_native, caplog):
+    monkeypatch.setenv("CC", "false")              # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.load("paged_decode") is None
+    assert "building native kernel paged_decode failed" in caplog.text
+    assert not list(fresh_native.glob("kernels/*"))   # no half-written library left behind
+    q, k, v, meta = _paged_case(6, 2, 16, 8, [3, 9], torch.float32, seed=6)
+    assert not decode_native_supported(q, k)
+
+
+def test_build_is_cached_per_source_and_cpu(monkeypatch, fresh_native):
+    _need_native()
+    built = list(fresh_native.glob("kernels/paged_decode-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt a cached kernel"))
+    assert native.load("paged_decode") is not None
