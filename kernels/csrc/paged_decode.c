@@ -8,10 +8,11 @@
  *   page_table  [B, max_pages]      int32
  *   seq_lens    [B]                 int32 context length (the new token included)
  *   out         [B, Hq, D]          float32
- *   scratch     [nthreads, G, lmax] float32, G = Hq / Hkv, lmax >= max(seq_lens)
+ *   scratch     [nthreads, Hq, lmax] float32, lmax >= max(seq_lens)
  *
- * Work is split over (sequence, kv head) pairs; each pair computes the scores of its G
- * query heads against every key (exact two-pass softmax), then the weighted sum of V.
+ * Work is split over sequences, claimed one at a time by the threads; a sequence's query
+ * heads are scored against every key (exact two-pass softmax), then V is summed with
+ * those weights.
  * The torch reference is kernels.attention._decode.
  */
 #include <math.h>
@@ -19,6 +20,9 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#define MAX_HEADS 256      /* query heads */
+#define MAX_ROW 16384      /* Hq * D floats (>= Hkv * D): per-thread stack buffers */
 
 typedef struct {
     const float *q;
@@ -43,62 +47,63 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-/* Row `row` (= slot * Hkv + head) of a cache as float32 into buf (or a pointer into the cache). */
-static inline const float *load_row(const void *cache, int bf16, int64_t row, int D, float *buf) {
-    if (!bf16) return (const float *)cache + row * D;
-    const uint16_t *src = (const uint16_t *)cache + row * D;
-    for (int d = 0; d < D; d++) buf[d] = bf16_to_f32(src[d]);
+/* Slot `slot` of a cache (all Hkv heads, W = Hkv * D values) as float32: a pointer into
+ * the cache, or converted into buf. */
+static inline const float *load_slot(const void *cache, int bf16, int64_t slot, int W, float *buf) {
+    if (!bf16) return (const float *)cache + slot * W;
+    const uint16_t *src = (const uint16_t *)cache + slot * W;
+    for (int i = 0; i < W; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
 }
 
-static void pair(const Args *a, int b, int h, float *scores, float *kbuf, float *acc) {
-    const int G = a->Hq / a->Hkv, D = a->D, S = a->S, L = a->seq_lens[b];
-    const float *q = a->q + ((int64_t)b * a->Hq + (int64_t)h * G) * D;
+/* One sequence: every query head against the whole context, reading each slot's row of
+ * all heads once and in page order (sequential memory, which the prefetcher follows). */
+static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *acc) {
+    const int Hq = a->Hq, Hkv = a->Hkv, G = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
+    const int L = a->seq_lens[b];
+    const int64_t lmax = a->lmax;
+    const float *q = a->q + (int64_t)b * Hq * D;
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     for (int pos = 0; pos < L; pos++) {
-        int64_t slot = (int64_t)pages[pos / S] * S + pos % S;
-        const float *k = load_row(a->k, a->bf16, slot * a->Hkv + h, D, kbuf);
-        for (int g = 0; g < G; g++) {
-            const float *qg = q + (int64_t)g * D;
+        const float *k = load_slot(a->k, a->bf16, (int64_t)pages[pos / S] * S + pos % S, W, rowbuf);
+        for (int hq = 0; hq < Hq; hq++) {
+            const float *qh = q + (int64_t)hq * D, *kh = k + (int64_t)(hq / G) * D;
             float s = 0.0f;
             #pragma omp simd reduction(+:s)
-            for (int d = 0; d < D; d++) s += qg[d] * k[d];
-            scores[(int64_t)g * a->lmax + pos] = s * a->scale;
+            for (int d = 0; d < D; d++) s += qh[d] * kh[d];
+            scores[hq * lmax + pos] = s * a->scale;
         }
     }
-    float inv_sum[64];
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + (int64_t)g * a->lmax;
+    float inv_sum[MAX_HEADS];
+    for (int hq = 0; hq < Hq; hq++) {
+        float *sh = scores + hq * lmax;
         float m = -INFINITY, sum = 0.0f;
-        for (int pos = 0; pos < L; pos++) m = sg[pos] > m ? sg[pos] : m;
-        for (int pos = 0; pos < L; pos++) { sg[pos] = expf(sg[pos] - m); sum += sg[pos]; }
-        inv_sum[g] = 1.0f / sum;
+        for (int pos = 0; pos < L; pos++) m = sh[pos] > m ? sh[pos] : m;
+        for (int pos = 0; pos < L; pos++) { sh[pos] = expf(sh[pos] - m); sum += sh[pos]; }
+        inv_sum[hq] = 1.0f / sum;
     }
-    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    memset(acc, 0, sizeof(float) * (size_t)Hq * D);
     for (int pos = 0; pos < L; pos++) {
-        int64_t slot = (int64_t)pages[pos / S] * S + pos % S;
-        const float *v = load_row(a->v, a->bf16, slot * a->Hkv + h, D, kbuf);
-        for (int g = 0; g < G; g++) {
-            const float w = scores[(int64_t)g * a->lmax + pos];
-            float *ag = acc + (int64_t)g * D;
+        const float *v = load_slot(a->v, a->bf16, (int64_t)pages[pos / S] * S + pos % S, W, rowbuf);
+        for (int hq = 0; hq < Hq; hq++) {
+            const float w = scores[hq * lmax + pos];
+            const float *vh = v + (int64_t)(hq / G) * D;
+            float *ah = acc + (int64_t)hq * D;
             #pragma omp simd
-            for (int d = 0; d < D; d++) ag[d] += w * v[d];
+            for (int d = 0; d < D; d++) ah[d] += w * vh[d];
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *o = a->out + ((int64_t)b * a->Hq + (int64_t)h * G + g) * D;
-        for (int d = 0; d < D; d++) o[d] = acc[(int64_t)g * D + d] * inv_sum[g];
-    }
+    float *o = a->out + (int64_t)b * Hq * D;
+    for (int hq = 0; hq < Hq; hq++)
+        for (int d = 0; d < D; d++) o[(int64_t)hq * D + d] = acc[(int64_t)hq * D + d] * inv_sum[hq];
 }
 
 static void *worker(void *p) {
     const Args *a = (const Args *)p;
-    const int G = a->Hq / a->Hkv;
-    float *scores = a->scratch + (int64_t)a->tid * G * a->lmax;
-    float kbuf[512], acc[64 * 512 / 8];
-    const int tasks = a->B * a->Hkv;
-    for (int task = atomic_fetch_add(a->next_task, 1); task < tasks; task = atomic_fetch_add(a->next_task, 1))
-        pair(a, task / a->Hkv, task % a->Hkv, scores, kbuf, acc);
+    float *scores = a->scratch + (int64_t)a->tid * a->Hq * a->lmax;
+    float rowbuf[MAX_ROW], acc[MAX_ROW];
+    for (int b = atomic_fetch_add(a->next_task, 1); b < a->B; b = atomic_fetch_add(a->next_task, 1))
+        sequence(a, b, scores, rowbuf, acc);
     return NULL;
 }
 
@@ -107,8 +112,7 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache, int b
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,
                  int B, int Hq, int Hkv, int D, int S, float scale, float *scratch, int lmax,
                  int nthreads) {
-    if (D > 512 || Hkv <= 0 || Hq % Hkv || Hq / Hkv > 64 || (int64_t)(Hq / Hkv) * D > 64 * 512 / 8)
-        return 1;
+    if (Hkv <= 0 || Hq % Hkv || Hq > MAX_HEADS || (int64_t)Hq * D > MAX_ROW) return 1;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     Args args[64];
