@@ -146,6 +146,7 @@ def run_vllm(args: Any, model_dir: Path, questions: list[Question], choice_ids: 
     runner = Path(__file__).resolve().parent / "vllm_runner.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         src.write_text(json.dumps({"prompts": [q.ids for q in questions], "choice_ids": choice_ids}))
