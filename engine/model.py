@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels.attention import AttentionMetadata, decode_backend, paged_attention
 from kernels.cache_ops import write_kv
-from kernels.linear import Linear, linear, make_linear
+from kernels.linear import Linear, linear, linear_backend, make_linear
 
 from .config import ModelConfig
 from .rope import apply_rope, rope_inv_freq, rope_table
@@ -26,6 +26,14 @@ if TYPE_CHECKING:
     from .cache import PagedCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kernel_backends(device: str, dtype: str, cache_mode: str) -> dict[str, str]:
+    """Which kernels a model with these settings runs (recorded in run manifests)."""
+    from .cache import CACHE_MODES
+    return {"linear": linear_backend(device, DTYPES[dtype]),
+            "decode_attention": decode_backend(device, CACHE_MODES[cache_mode]),
+            "prefill_attention": "torch-sdpa"}
 
 
 @dataclass

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine import DynamicGenerator, Model, PagedCache, Tokenizer
+from engine import DynamicGenerator, Model, PagedCache, Tokenizer, kernel_backends
 from evalrun.errors import BadInput
 from results import environment_info, throughput
 
@@ -68,7 +68,8 @@ def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, iden
 def model_manifest(args: argparse.Namespace, fp: dict, model_dir: Path) -> dict[str, Any]:
     return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
             "dtype": args.dtype, "device": args.device, "cache_mode": args.cache_mode,
-            "page_size": args.page_size, "cache_tokens": args.cache_tokens}
+            "page_size": args.page_size, "cache_tokens": args.cache_tokens,
+            "kernels": kernel_backends(args.device, args.dtype, args.cache_mode)}
 
 
 def clean(obj: Any) -> Any:

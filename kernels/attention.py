@@ -191,6 +191,13 @@ def _decode_lib() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def decode_backend(device: str | torch.device, cache_dtype: torch.dtype) -> str:
+    """The decode attention `paged_attention` runs for a device and KV storage dtype
+    (for head shapes within the native kernel's limits): "native-c" or "torch"."""
+    native_ok = torch.device(device).type == "cpu" and cache_dtype in _NATIVE_CACHE_DTYPES
+    return "native-c" if native_ok and _decode_lib() is not None else "torch"
+
+
 def decode_native_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """CPU, a float32/bfloat16 contiguous cache, shapes within the kernel's limits, and built."""
     hq, d = q.shape[1:]

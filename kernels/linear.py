@@ -38,6 +38,12 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
+    """What `make_linear` + `linear` run on: "onednn-prepacked" (CPU float32) or "torch"."""
+    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    return "onednn-prepacked" if cpu_fp32 and onednn_available() else "torch"
+
+
 def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True) -> Linear:
     """A Linear; on CPU in float32 with oneDNN (and `pack`), with the weight prepacked."""
     packed = None

@@ -1,6 +1,7 @@
 """MMLU adapter and `evalrun mmlu` end to end: format, reference agreement, resume, bad input."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,8 @@ def test_full_57_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
     assert (df.cached_tokens > 0).mean() >= 0.45                     # the second question of a subject hits
     assert "overall" in capsys.readouterr().out
     assert (out / "summary.json").is_file() and (out / "manifest.json").is_file()
+    kernels = json.loads((out / "manifest.json").read_text())["kernels"]
+    assert kernels["linear"] in {"onednn-prepacked", "torch"} and kernels["decode_attention"] in {"native-c", "torch"}
 
 
 def test_csv_layout_gives_same_rows(tiny_model_dir, tmp_path, data):

@@ -112,3 +112,16 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, fresh_native):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt a cached kernel"))
     assert native.load("paged_decode") is not None
+
+
+def test_kernel_backends_follow_the_native_switch(monkeypatch, fresh_native):
+    from engine import kernel_backends
+    from kernels.linear import onednn_available
+    cpu32 = kernel_backends("cpu", "float32", "fp32")
+    assert cpu32["linear"] == ("onednn-prepacked" if onednn_available() else "torch")
+    assert cpu32["decode_attention"] == ("native-c" if native.compiler() else "torch")
+    assert kernel_backends("cpu", "bfloat16", "fp16")["decode_attention"] == "torch"   # fp16 pages: reference
+    assert kernel_backends("cpu", "bfloat16", "bf16")["linear"] == "torch"
+    monkeypatch.setenv("EVALRUN_NATIVE", "0")
+    assert kernel_backends("cpu", "float32", "fp32")["decode_attention"] == "torch"
+
