@@ -159,7 +159,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (`kernels.native`), prefill sequences to the torch reference (SDPA on a gathered
     context). Elsewhere the torch reference; a flash-attn paged backend
     (`flash_attn_varlen_func` with `block_table`) slots in here on CUDA."""
-    if meta.num_decode and decode_native_supported(q, k_cache):
+    if meta.num_decode and decode_native_supported(q, k_cache, v_cache):
         out = torch.empty_like(q)
         out[: meta.num_decode] = paged_decode_native(q[: meta.num_decode], k_cache, v_cache,
                                                      meta.page_table[: meta.num_decode],
@@ -192,39 +192,58 @@ def _decode_lib() -> Optional[ctypes.CDLL]:
 
 
 def decode_backend(device: str | torch.device, cache_dtype: torch.dtype) -> str:
-    """The decode attention `paged_attention` runs for a device and KV storage dtype
-    (for head shapes within the native kernel's limits): "native-c" or "torch"."""
+    """The decode attention `paged_attention` runs for a device and KV storage dtype:
+    "native-c" or "torch"."""
     native_ok = torch.device(device).type == "cpu" and cache_dtype in _NATIVE_CACHE_DTYPES
     return "native-c" if native_ok and _decode_lib() is not None else "torch"
 
 
-def decode_native_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """CPU, a float32/bfloat16 contiguous cache, shapes within the kernel's limits, and built."""
+def decode_native_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """CPU tensors, float32/bfloat16 contiguous K/V of one shape and dtype whose head size
+    matches q's, GQA-compatible head counts, and the kernel built."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return False
     hq, d = q.shape[1:]
     hkv = k_cache.shape[2]
-    shapes_ok = hq % hkv == 0 and hq <= 256 and hq * d <= 16384   # the kernel's stack buffers
-    return (q.device.type == "cpu" and k_cache.dtype in _NATIVE_CACHE_DTYPES and shapes_ok
-            and k_cache.is_contiguous() and _decode_lib() is not None)
+    shapes_ok = hq >= 1 and hkv >= 1 and hq % hkv == 0 and k_cache.shape[3] == d and d >= 1
+    on_cpu = q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+    return (shapes_ok and on_cpu and k_cache.dtype in _NATIVE_CACHE_DTYPES and v_cache.dtype == k_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and _decode_lib() is not None)
 
 
 def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] (one token per sequence) -> [B, Hq, D] in q's dtype, read from the pages
-    in place; float32 math. Same contract as `_decode` (the reference)."""
+    in place; float32 math. Same contract as `_decode` (the reference). Page ids and
+    lengths are checked against the cache and the table before the C code reads them."""
     lib = _decode_lib()
     if lib is None:
         raise RuntimeError("the native paged decode kernel is not available (see kernels.native)")
+    if not decode_native_supported(q, k_cache, v_cache):
+        raise ValueError(f"paged_decode_native cannot take q {tuple(q.shape)} {q.device} with K/V "
+                         f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)} {k_cache.dtype}/{v_cache.dtype}")
     b, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype):
-        raise ValueError("paged_decode_native needs contiguous K/V caches of one dtype")
+    if page_table.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match {b} sequences")
+    if b == 0:
+        return torch.empty(0, hq, d, dtype=q.dtype)
+    table = page_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if int(lens.min()) < 0 or int(lens.max()) > table.shape[1] * s:
+        raise ValueError(f"sequence lengths must lie in [0, {table.shape[1] * s}] (page table width x page size)")
+    used = table[torch.arange(table.shape[1])[None, :] * s < lens[:, None]]      # pages the kernel reads
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
+        raise ValueError(f"page ids must lie in [0, {k_cache.shape[0] - 1}]")
     qf = q.float().contiguous()
     table = page_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    lmax = int(lens.max())
+    lmax = max(1, int(lens.max()))
     # a second thread pays for its start only with enough work (~2M multiply-adds per pass)
-    threads = 1 if b * lmax * hq * d < 2 ** 21 else max(1, min(torch.get_num_threads(), b))
-    scratch = torch.empty(threads * hq * lmax, dtype=torch.float32)
+    threads = 1 if b * lmax * hq * d < 2 ** 21 else max(1, min(torch.get_num_threads(), b, 64))
+    per_thread = hq * lmax + hq * d + hkv * d + hq          # SCRATCH() in paged_decode.c
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(b, hq, d, dtype=torch.float32)
     rc = lib.paged_decode(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           _NATIVE_CACHE_DTYPES[k_cache.dtype], table.data_ptr(), table.shape[1],

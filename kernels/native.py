@@ -53,14 +53,15 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     return _loaded[name]
 
 
-def _cpu_flags() -> str:
+def _cpu_flags() -> Optional[str]:
+    """The CPU's feature line, or None when it cannot be read (then no -march=native)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
-    return os.uname().machine
+    return None
 
 
 def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
@@ -68,26 +69,39 @@ def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
     if cc is None:
         log.info("no C compiler found: native kernel %s disabled, using the torch reference", name)
         return None
-    src = CSRC / f"{name}.c"
-    key = hashlib.sha256(src.read_bytes() + " ".join(FLAGS + LIBS).encode() + _cpu_flags().encode())
-    out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        tmp: Optional[str] = None
-        try:
+    cpu = _cpu_flags()
+    flags = FLAGS if cpu is not None else [f for f in FLAGS if f != "-march=native"]
+    tmp: Optional[str] = None
+    try:
+        src = CSRC / f"{name}.c"
+        key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags, *LIBS]).encode()
+                             + (cpu or f"portable {os.uname().machine}").encode())
+        out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+        if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            subprocess.run([cc, *FLAGS, str(src), "-o", tmp, *LIBS], check=True,
+            subprocess.run([cc, *flags, str(src), "-o", tmp, *LIBS], check=True,
                            capture_output=True, text=True, timeout=120)
+            os.chmod(tmp, 0o755 & ~_umask())        # mkstemp makes 0600: let other users load it
             os.replace(tmp, out)
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            log.warning("building native kernel %s failed, using the torch reference: %s", name, detail)
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-            return None
-    try:
+            tmp = None
         return ctypes.CDLL(str(out))
-    except OSError as e:
-        log.warning("loading native kernel %s failed, using the torch reference: %s", name, e)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("building native kernel %s failed, using the torch reference: %s", name, detail)
         return None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022

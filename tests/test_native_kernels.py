@@ -57,7 +57,7 @@ def test_native_decode_matches_torch_reference(dtype, hq, hkv, d, page_size):
     out = paged_decode_native(q, k, v, meta.page_table, meta.seq_lens_k, d ** -0.5)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
-    assert decode_native_supported(q, k)
+    assert decode_native_supported(q, k, v)
     torch.testing.assert_close(paged_attention(q, k, v, meta, d ** -0.5), ref, atol=2e-6, rtol=1e-5)
 
 
@@ -90,7 +90,7 @@ def test_native_disabled_by_env_uses_reference(monkeypatch, fresh_native):
     monkeypatch.setenv("EVALRUN_NATIVE", "0")
     q, k, v, meta = _paged_case(6, 2, 16, 8, [3, 9, 17], torch.float32, seed=5)
     assert native.load("paged_decode") is None
-    assert not decode_native_supported(q, k)
+    assert not decode_native_supported(q, k, v)
     torch.testing.assert_close(paged_attention(q, k, v, meta, 0.25), paged_attention_torch(q, k, v, meta, 0.25))
     assert not list(fresh_native.glob("kernels/*.so"))
 
@@ -102,7 +102,7 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, fresh_native, caplo
     assert "building native kernel paged_decode failed" in caplog.text
     assert not list(fresh_native.glob("kernels/*"))   # no half-written library left behind
     q, k, v, meta = _paged_case(6, 2, 16, 8, [3, 9], torch.float32, seed=6)
-    assert not decode_native_supported(q, k)
+    assert not decode_native_supported(q, k, v)
 
 
 def test_build_is_cached_per_source_and_cpu(monkeypatch, fresh_native):
@@ -125,3 +125,38 @@ def test_kernel_backends_follow_the_native_switch(monkeypatch, fresh_native):
     monkeypatch.setenv("EVALRUN_NATIVE", "0")
     assert kernel_backends("cpu", "float32", "fp32")["decode_attention"] == "torch"
 
+
+
+def test_unsupported_or_inconsistent_inputs_fall_back_or_raise():
+    """Shapes the kernel cannot take go to the reference; bad page ids/lengths raise, never read wild."""
+    _need_native()
+    q, k, v, meta = _paged_case(6, 2, 16, 8, [3, 9, 17], torch.float32, seed=7)
+    assert not decode_native_supported(q[:, :0], k, v)                       # no query heads
+    assert not decode_native_supported(q[..., :8], k, v)                      # head size differs from the cache
+    assert not decode_native_supported(q, k, v[..., :8].contiguous())         # K/V shapes differ
+    assert not decode_native_supported(q, k, v.transpose(1, 2))               # V not contiguous
+    assert not decode_native_supported(q, k, v.bfloat16())                    # K/V dtypes differ
+    v16 = v.bfloat16()
+    torch.testing.assert_close(paged_attention(q, k, v16, meta, 0.25),        # falls back, no error
+                               paged_attention_torch(q, k, v16, meta, 0.25))
+    bad = meta.page_table.clone()
+    bad[0, 0] = k.shape[0]                                                     # one past the null page
+    with pytest.raises(ValueError, match="page ids"):
+        paged_decode_native(q, k, v, bad, meta.seq_lens_k, 0.25)
+    too_long = meta.seq_lens_k.clone()
+    too_long[1] = meta.page_table.shape[1] * 8 + 1
+    with pytest.raises(ValueError, match="sequence lengths"):
+        paged_decode_native(q, k, v, meta.page_table, too_long, 0.25)
+
+
+def test_empty_context_gives_zeros():
+    _need_native()
+    q, k, v, meta = _paged_case(4, 2, 8, 4, [2, 5], torch.float32, seed=8)
+    out = paged_decode_native(q, k, v, meta.page_table, torch.zeros(2, dtype=torch.int32), 0.5)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_cached_library_is_loadable_by_other_users(fresh_native):
+    _need_native()
+    (lib,) = fresh_native.glob("kernels/paged_decode-*.so")
+    assert lib.stat().st_mode & 0o055 == 0o055          # group/other may read and map it

@@ -8,7 +8,9 @@
  *   page_table  [B, max_pages]      int32
  *   seq_lens    [B]                 int32 context length (the new token included)
  *   out         [B, Hq, D]          float32
- *   scratch     [nthreads, Hq, lmax] float32, lmax >= max(seq_lens)
+ *   scratch     [nthreads, SCRATCH(Hq, Hkv, D, lmax)] float32, lmax >= max(seq_lens):
+ *               per thread the scores [Hq, lmax], the V sums [Hq, D], a converted slot
+ *               row [Hkv, D] and the softmax normalisers [Hq] (heap, not thread stacks)
  *
  * Work is split over sequences, claimed one at a time by the threads; a sequence's query
  * heads are scored against every key (exact two-pass softmax), then V is summed with
@@ -21,8 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_HEADS 256      /* query heads */
-#define MAX_ROW 16384      /* Hq * D floats (>= Hkv * D): per-thread stack buffers */
+/* Floats of scratch per thread; kernels/attention.py allocates nthreads times this. */
+#define SCRATCH(Hq, Hkv, D, lmax) ((int64_t)(Hq) * (lmax) + (int64_t)(Hq) * (D) + (int64_t)(Hkv) * (D) + (Hq))
 
 typedef struct {
     const float *q;
@@ -58,11 +60,16 @@ static inline const float *load_slot(const void *cache, int bf16, int64_t slot, 
 
 /* One sequence: every query head against the whole context, reading each slot's row of
  * all heads once and in page order (sequential memory, which the prefetcher follows). */
-static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *acc) {
+static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *acc, float *inv_sum) {
     const int Hq = a->Hq, Hkv = a->Hkv, G = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
     const int L = a->seq_lens[b];
     const int64_t lmax = a->lmax;
     const float *q = a->q + (int64_t)b * Hq * D;
+    float *o = a->out + (int64_t)b * Hq * D;
+    if (L <= 0) {                   /* empty context: zeros, as an empty softmax sum gives */
+        memset(o, 0, sizeof(float) * (size_t)Hq * D);
+        return;
+    }
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     for (int pos = 0; pos < L; pos++) {
         const float *k = load_slot(a->k, a->bf16, (int64_t)pages[pos / S] * S + pos % S, W, rowbuf);
@@ -74,7 +81,6 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
             scores[hq * lmax + pos] = s * a->scale;
         }
     }
-    float inv_sum[MAX_HEADS];
     for (int hq = 0; hq < Hq; hq++) {
         float *sh = scores + hq * lmax;
         float m = -INFINITY, sum = 0.0f;
@@ -93,26 +99,28 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
             for (int d = 0; d < D; d++) ah[d] += w * vh[d];
         }
     }
-    float *o = a->out + (int64_t)b * Hq * D;
     for (int hq = 0; hq < Hq; hq++)
         for (int d = 0; d < D; d++) o[(int64_t)hq * D + d] = acc[(int64_t)hq * D + d] * inv_sum[hq];
 }
 
 static void *worker(void *p) {
     const Args *a = (const Args *)p;
-    float *scores = a->scratch + (int64_t)a->tid * a->Hq * a->lmax;
-    float rowbuf[MAX_ROW], acc[MAX_ROW];
+    float *scores = a->scratch + (int64_t)a->tid * SCRATCH(a->Hq, a->Hkv, a->D, a->lmax);
+    float *acc = scores + (int64_t)a->Hq * a->lmax;
+    float *rowbuf = acc + (int64_t)a->Hq * a->D;
+    float *inv_sum = rowbuf + (int64_t)a->Hkv * a->D;
     for (int b = atomic_fetch_add(a->next_task, 1); b < a->B; b = atomic_fetch_add(a->next_task, 1))
-        sequence(a, b, scores, rowbuf, acc);
+        sequence(a, b, scores, rowbuf, acc, inv_sum);
     return NULL;
 }
 
-/* Returns 0 on success, 1 when the shapes are outside this kernel's limits. */
+/* Returns 0 on success, 1 on shapes it cannot take. The caller checks page ids and
+ * lengths against the cache and the table (kernels/attention.py). */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16,
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,
                  int B, int Hq, int Hkv, int D, int S, float scale, float *scratch, int lmax,
                  int nthreads) {
-    if (Hkv <= 0 || Hq % Hkv || Hq > MAX_HEADS || (int64_t)Hq * D > MAX_ROW) return 1;
+    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1) return 1;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     Args args[64];
