@@ -24,7 +24,6 @@ or NaN slots are never touched.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,6 +70,7 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
+    _check_pages(table, lens, page_size, null_page)
     decode_slots = decode_mask = None
     if num_decode:
         decode_slots, decode_mask = _decode_gather(table[:num_decode], lens[:num_decode], page_size, null_page)
@@ -122,14 +122,20 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
     if meta.num_decode:
         out[: meta.num_decode] = _decode(q[: meta.num_decode], k_flat, v_flat, meta, scale)
-    for seq in meta.prefill:
+    _prefill_into(out, q, k_flat, v_flat, meta.prefill, scale)
+    return out
+
+
+def _prefill_into(out: torch.Tensor, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                  prefill: list[PrefillSeq], scale: float) -> None:
+    """Each prefill sequence: SDPA over its gathered context, written to its rows of out."""
+    for seq in prefill:
         qs = q[seq.q_start: seq.q_start + seq.q_len].transpose(0, 1)[None]      # [1, Hq, q, D]
         k = k_flat.index_select(0, seq.slots).to(q.dtype).transpose(0, 1)[None]   # [1, Hkv, L, D]
         v = v_flat.index_select(0, seq.slots).to(q.dtype).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=True)
         out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
-    return out
 
 
 def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -159,20 +165,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (`kernels.native`), prefill sequences to the torch reference (SDPA on a gathered
     context). Elsewhere the torch reference; a flash-attn paged backend
     (`flash_attn_varlen_func` with `block_table`) slots in here on CUDA."""
-    if meta.num_decode and decode_native_supported(q, k_cache, v_cache):
-        out = torch.empty_like(q)
-        out[: meta.num_decode] = paged_decode_native(q[: meta.num_decode], k_cache, v_cache,
-                                                     meta.page_table[: meta.num_decode],
-                                                     meta.seq_lens_k[: meta.num_decode], scale)
-        if meta.prefill:
-            rest = _prefill_only(meta)
-            out[meta.num_decode:] = paged_attention_torch(q, k_cache, v_cache, rest, scale)[meta.num_decode:]
-        return out
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale)
-
-
-def _prefill_only(meta: AttentionMetadata) -> AttentionMetadata:
-    return dataclasses.replace(meta, num_decode=0, decode_slots=None, decode_mask=None)
+    nd = meta.num_decode
+    if not (nd and decode_native_supported(q, k_cache, v_cache)):
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    # build_metadata checked the page table and lengths once for the forward
+    out[:nd] = _paged_decode_call(q[:nd], k_cache, v_cache, meta.page_table[:nd], meta.seq_lens_k[:nd], scale)
+    _prefill_into(out, q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), meta.prefill, scale)
+    return out
 
 
 # --- native CPU decode ---------------------------------------------------------------
@@ -216,26 +216,40 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """q [B, Hq, D] (one token per sequence) -> [B, Hq, D] in q's dtype, read from the pages
     in place; float32 math. Same contract as `_decode` (the reference). Page ids and
     lengths are checked against the cache and the table before the C code reads them."""
-    lib = _decode_lib()
-    if lib is None:
+    if _decode_lib() is None:
         raise RuntimeError("the native paged decode kernel is not available (see kernels.native)")
     if not decode_native_supported(q, k_cache, v_cache):
         raise ValueError(f"paged_decode_native cannot take q {tuple(q.shape)} {q.device} with K/V "
                          f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)} {k_cache.dtype}/{v_cache.dtype}")
-    b, hq, d = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    b, s = q.shape[0], k_cache.shape[1]
     if page_table.shape[0] != b or seq_lens.shape != (b,):
         raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
                          f"do not match {b} sequences")
+    _check_pages(page_table, seq_lens, s, k_cache.shape[0] - 1)
+    return _paged_decode_call(q, k_cache, v_cache, page_table, seq_lens, scale)
+
+
+def _check_pages(table: torch.Tensor, lens: torch.Tensor, page_size: int, last_page: int) -> None:
+    """Lengths within the table's pages and every page a length reaches within [0, last_page]:
+    what the native kernel relies on before it reads the cache."""
+    if not len(lens):
+        return
+    if int(lens.min()) < 0 or int(lens.max()) > table.shape[1] * page_size:
+        raise ValueError(f"sequence lengths must lie in [0, {table.shape[1] * page_size}] "
+                         "(page table width x page size)")
+    used = table[torch.arange(table.shape[1])[None, :] * page_size < lens[:, None]]   # pages read
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) > last_page):
+        raise ValueError(f"page ids must lie in [0, {last_page}]")
+
+
+def _paged_decode_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The C call on inputs already checked (shapes by decode_native_supported, pages by
+    _check_pages)."""
+    b, hq, d = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
     if b == 0:
         return torch.empty(0, hq, d, dtype=q.dtype)
-    table = page_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    if int(lens.min()) < 0 or int(lens.max()) > table.shape[1] * s:
-        raise ValueError(f"sequence lengths must lie in [0, {table.shape[1] * s}] (page table width x page size)")
-    used = table[torch.arange(table.shape[1])[None, :] * s < lens[:, None]]      # pages the kernel reads
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
-        raise ValueError(f"page ids must lie in [0, {k_cache.shape[0] - 1}]")
     qf = q.float().contiguous()
     table = page_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
@@ -245,10 +259,10 @@ def paged_decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     per_thread = hq * lmax + hq * d + hkv * d + hq          # SCRATCH() in paged_decode.c
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(b, hq, d, dtype=torch.float32)
-    rc = lib.paged_decode(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                          _NATIVE_CACHE_DTYPES[k_cache.dtype], table.data_ptr(), table.shape[1],
-                          lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, s, scale,
-                          scratch.data_ptr(), lmax, threads)
+    rc = _decode_lib().paged_decode(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    _NATIVE_CACHE_DTYPES[k_cache.dtype], table.data_ptr(), table.shape[1],
+                                    lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, s, scale,
+                                    scratch.data_ptr(), lmax, threads)
     if rc != 0:
         raise ValueError(f"native paged decode does not support Hq={hq}, Hkv={hkv}, D={d}")
     return out.to(q.dtype)

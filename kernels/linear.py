@@ -47,7 +47,7 @@ def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
 def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True) -> Linear:
     """A Linear; on CPU in float32 with oneDNN (and `pack`), with the weight prepacked."""
     packed = None
-    if pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_available():
+    if pack and linear_backend(weight.device, weight.dtype) == "onednn-prepacked":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     return Linear(weight, bias, packed)
 
