@@ -20,6 +20,10 @@ on the same ids (benchmarks/vllm_runner.py in that interpreter; its start-up is 
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -139,10 +143,6 @@ def hf_last_logits(model: Any, seqs: list[list[int]], pad_id: int) -> torch.Tens
 def run_vllm(args: Any, model_dir: Path, questions: list[Question], choice_ids: list[int]) -> dict[str, Any]:
     """benchmarks/vllm_runner.py under --vllm-python, on the same ids; both cores bound
     (VLLM_CPU_OMP_THREADS_BIND=0-1 unless set). Its timing excludes engine start-up."""
-    import json
-    import os
-    import subprocess
-    import tempfile
     runner = Path(__file__).resolve().parent / "vllm_runner.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")

@@ -25,8 +25,10 @@ def _need_native():
     assert native.load("paged_decode") is not None, "a compiler exists but the kernel did not build"
 
 
-def _paged_case(hq, hkv, d, page_size, lens, dtype, seed):
-    """Random K/V for each sequence on shuffled pages of a NaN-poisoned cache."""
+def _paged_case(hq, hkv, d, page_size, lens, dtype, seed, q_lens=None):
+    """Random K/V for each sequence on shuffled pages of a NaN-poisoned cache; queries are
+    the last q_lens[i] tokens of each context (default: one, all decode)."""
+    q_lens = q_lens or [1] * len(lens)
     g = torch.Generator().manual_seed(seed)
     pages_needed = [-(-n // page_size) for n in lens]
     num_pages = sum(pages_needed) + 3
@@ -42,8 +44,8 @@ def _paged_case(hq, hkv, d, page_size, lens, dtype, seed):
             k[pages[p // page_size], p % page_size] = torch.randn(hkv, d, generator=g).to(dtype)
             v[pages[p // page_size], p % page_size] = torch.randn(hkv, d, generator=g).to(dtype)
         tables.append(pages)
-    meta = build_metadata([1] * len(lens), lens, tables, page_size, num_pages, torch.device("cpu"))
-    q = torch.randn(len(lens), hq, d, generator=g)
+    meta = build_metadata(q_lens, lens, tables, page_size, num_pages, torch.device("cpu"))
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
     return q, k, v, meta
 
 
@@ -64,24 +66,9 @@ def test_native_decode_matches_torch_reference(dtype, hq, hkv, d, page_size):
 def test_dispatch_mixes_native_decode_and_torch_prefill():
     """Decode rows through the native kernel, prefill rows through SDPA, in one call."""
     _need_native()
-    g = torch.Generator().manual_seed(3)
-    hq, hkv, d, ps = 6, 2, 16, 8
-    q_lens, k_lens = [1, 1, 9, 4], [3, 20, 9, 30]
-    k = torch.full((40, ps, hkv, d), float("nan"))
-    v = torch.full_like(k, float("nan"))
-    k[39] = 0
-    v[39] = 0
-    perm = torch.randperm(39, generator=g).tolist()
-    tables = []
-    for n in k_lens:
-        need = -(-n // ps)
-        pages, perm = perm[:need], perm[need:]
-        for p in range(n):
-            k[pages[p // ps], p % ps] = torch.randn(hkv, d, generator=g)
-            v[pages[p // ps], p % ps] = torch.randn(hkv, d, generator=g)
-        tables.append(pages)
-    meta = build_metadata(q_lens, k_lens, tables, ps, 39, torch.device("cpu"))
-    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    d = 16
+    q, k, v, meta = _paged_case(6, 2, d, 8, [3, 20, 9, 30], torch.float32, seed=3, q_lens=[1, 1, 9, 4])
+    assert meta.num_decode == 2 and len(meta.prefill) == 2
     ref = paged_attention_torch(q, k, v, meta, d ** -0.5)
     torch.testing.assert_close(paged_attention(q, k, v, meta, d ** -0.5), ref, atol=2e-6, rtol=1e-5)
 
