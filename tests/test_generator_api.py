@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import torch
+from tiny_models import rig_eos_trigger, save_tiny_model
 
 from engine import (DynamicGenerator, DynamicJob, GeneratorResult, GeneratorStats, Model, PagedCache,
                     SamplerSettings, Tokenizer)
@@ -332,13 +333,37 @@ def test_generate_with_per_prompt_settings(tiny: Engine) -> None:
         generator.generate(prompts, max_new_tokens=2, gen_settings=[SAMPLED])
 
 
-def test_generate_default_stops_at_eos(tiny: Engine) -> None:
-    """stop_conditions=None means the tokenizer's EOS ids: force EOS with a stop token check."""
-    tok = tiny.tokenizer
+def test_generate_default_stops_at_eos(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """stop_conditions=None means the tokenizer's EOS ids. On a model rigged so that EOS is
+    certain right after a chosen trigger token, generate() ends there; [] runs on past it."""
+    tok = Tokenizer.load(tiny_model_dir)
+    (eos,) = tok.eos_token_ids
     prompt = "The capital of France is"
-    ids, text = greedy(tiny, prompt, 8)
-    assert tok.eos_token_ids and not set(ids) & set(tok.eos_token_ids)   # this model never says EOS
-    assert tiny.generator().generate(prompt, max_new_tokens=8, completion_only=True) == text
+    prompt_ids = tok.encode(prompt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rig_eos_trigger(hf, eos)                                  # no trigger yet: EOS logit is 0 everywhere
+    free_ids, _ = hf_greedy(hf, prompt_ids, 8, 0, set())
+    assert eos not in free_ids
+    k = next(i for i in range(3, 8) if free_ids[i - 1] not in prompt_ids + free_ids[: i - 1])
+    rig_eos_trigger(hf, eos, trigger_token=free_ids[k - 1])   # EOS right after the k-th new token
+    want_ids, _ = hf_greedy(hf, prompt_ids, 8, 0, set())      # no stops: sees past the EOS
+    assert want_ids[:k] == free_ids[:k] and want_ids[k] == eos and len(want_ids) == 8
+    before, everything = tok.decode(want_ids[:k]), tok.decode(want_ids)
+    assert before and everything != before                    # tokens after EOS add text
+
+    engine = Engine(save_tiny_model(hf, tmp_path / "eos-after-trigger", tokenizer_from=tiny_model_dir))
+    generator = engine.generator()
+    assert generator.generate(prompt, max_new_tokens=8, completion_only=True) == before
+    assert generator.generate(prompt, max_new_tokens=8) == prompt + before
+    assert generator.generate(prompt, max_new_tokens=8, stop_conditions=[], completion_only=True) == everything
+    shown = generator.generate(prompt, max_new_tokens=8, stop_conditions=[], decode_special_tokens=True,
+                               completion_only=True)
+    assert shown.startswith(before + "<|im_end|>")            # SmolLM2's EOS text, generated and not stopped at
+    # the job API reports the reason: the EOS token ends the job as a stop token
+    job = DynamicJob(prompt_ids, 8, stop_conditions=tok.eos_token_ids, identifier=0)
+    (results,) = run(engine.generator(), [job]).values()
+    assert (token_ids(results), results[-1]["eos_reason"]) == (want_ids[: k + 1], "stop_token")
+    assert results[-1]["full_completion"] == streamed(results) == before
 
 
 def test_stats_counts(tiny: Engine) -> None:

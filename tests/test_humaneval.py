@@ -2,6 +2,7 @@
 verdicts, generation overlapped with execution, resume, bad input, SmolLM2 end to end."""
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -92,6 +93,15 @@ def test_extract_code_from_chat_answers():
     assert extract_code(two, "f") == "\ndef f(x):\n    return 2\n"
     assert extract_code("def f(x):\n    return 3", "f") == "\ndef f(x):\n    return 3\n"
     assert extract_code("```python\ndef f(x):\n    return 4", "f") == "\ndef f(x):\n    return 4\n"  # unclosed
+    none_defines = "```python\nimport math\nreturn math.pi\n```\n```python\nreturn 0\n```"
+    assert extract_code(none_defines, "f") == "    import math\n    return math.pi\n"       # the first block
+    assert extract_code("```python\nasync def f(x):\n    return x\n```", "f") == "\nasync def f(x):\n    return x\n"
+    assert extract_code("```python\n    y = x * 2\n    return y\n```", "f") == "    y = x * 2\n    return y\n"
+    blank = "```\nif x:\n    return 1\n\nreturn 0\n```"
+    assert extract_code(blank, "f") == "    if x:\n        return 1\n\n    return 0\n"     # blank lines stay empty
+    other = "```python\ndef f_helper(x):\n    return x\n```"                           # not the entry point
+    assert extract_code(other, "f") == "    def f_helper(x):\n        return x\n"
+    assert extract_code("Just return x + 1.", "f") == "    Just return x + 1.\n"        # no code at all
 
 
 def test_plan_uses_unstripped_prompt_stop_strings_and_per_sample_seeds(tiny_model_dir):
@@ -336,16 +346,47 @@ def test_tiny_model_run_resume_extend_and_seeds(tmp_path, tiny_model_dir):
     assert he(*common[2:], "--model", str(tmp_path / "nope"), "--output-dir", str(out)) == 2
 
 
-def test_chat_mode_wraps_prompt_and_extracts(tmp_path, tiny_model_dir):
+# Hand-written chat answers for HumanEval/0 and /1, and the completions chat mode must make of them:
+# a fenced block that defines the entry point again (after prose and another block), and a bare body.
+CHAT_ANSWERS = {
+    "HumanEval/0": ("Here is a pairwise check:\n```\nnumbers = [1.0, 2.0]\n```\n```python\nfrom typing import List\n\n"
+                    "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+                    "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"
+                    "```\nIt compares every pair once."),
+    "HumanEval/1": ("Count the depth:\n```python\nresult, current, depth = [], \"\", 0\nfor c in paren_string:\n"
+                    "    if c in \"()\":\n        current += c\n        depth += 1 if c == \"(\" else -1\n"
+                    "        if depth == 0:\n            result.append(current)\n            current = \"\"\n"
+                    "return result\n```"),
+}
+CHAT_COMPLETIONS = {
+    "HumanEval/0": ("\nfrom typing import List\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+                    "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n"),
+    "HumanEval/1": ("    result, current, depth = [], \"\", 0\n    for c in paren_string:\n        if c in \"()\":\n"
+                    "            current += c\n            depth += 1 if c == \"(\" else -1\n            if depth == 0:\n"
+                    "                result.append(current)\n                current = \"\"\n    return result\n"),
+}
+
+
+def test_chat_mode_wraps_prompt_and_extracts(tmp_path, tiny_model_dir, monkeypatch):
+    """The tiny model's prompts are real; its answers are replaced by the hand-written CHAT_ANSWERS
+    before scoring, so the completions and the sandbox's verdicts are known in advance."""
+    real_score = HumanEvalTask.score
+
+    def score_fixed_answer(self, plan, answers):
+        return real_score(self, plan, [dataclasses.replace(answers[0], text=CHAT_ANSWERS[plan.doc_key[0]])])
+
+    monkeypatch.setattr(HumanEvalTask, "score", score_fixed_answer)
     out = tmp_path / "chat"
     assert he("--model", str(tiny_model_dir), "--dtype", "float32", "--cache-mode", "fp32", "--limit", "2",
               "--max-new-tokens", "8", "--chat", "--output-dir", str(out)) == 0
-    rows = pd.read_parquet(out / "samples.parquet")
-    assert list(rows.completion) == [extract_code(r, p.entry_point) for r, p in zip(rows.response, PROBLEMS[:2])]
+    rows = pd.read_parquet(out / "samples.parquet").set_index("task_id")
+    assert rows.response.to_dict() == CHAT_ANSWERS
+    assert rows.completion.to_dict() == CHAT_COMPLETIONS
+    assert rows.passed.tolist() == [True, True]                 # both answers are right
     tok = Tokenizer.load(tiny_model_dir)
     chat_prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=PROBLEMS[0].prompt)}])
-    assert rows.prompt_tokens.iloc[0] == len(tok.encode(chat_prompt, encode_special_tokens=True))
-    assert rows.prompt_tokens.iloc[0] > len(tok.encode(PROBLEMS[0].prompt))
+    assert rows.prompt_tokens["HumanEval/0"] == len(tok.encode(chat_prompt, encode_special_tokens=True))
+    assert rows.prompt_tokens["HumanEval/0"] > len(tok.encode(PROBLEMS[0].prompt))
 
 
 @pytest.mark.slow

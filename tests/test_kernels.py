@@ -94,19 +94,31 @@ def test_write_kv_casts_to_storage_dtype(dtype):
 @pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_dispatch_matches_reference(rows, with_bias):
-    from kernels.linear import linear, linear_reference, make_linear, onednn_available
+    from kernels.linear import linear, linear_reference, make_linear
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=gen)
     b = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
     lin = make_linear(w, b)
-    assert (lin.packed is not None) == onednn_available()
+    assert (lin.packed is not None) == torch.backends.mkldnn.is_available()   # torch's own build fact
     ref = linear_reference(x.double(), make_linear(w.double(), None if b is None else b.double(), pack=False))
     torch.testing.assert_close(linear(x, lin).double(), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(linear(x[:, :], make_linear(w, b, pack=False)).double(), ref, rtol=1e-5, atol=1e-4)
     bf = make_linear(w.bfloat16(), None if b is None else b.bfloat16())
     assert bf.packed is None                                  # only float32 is prepacked
     torch.testing.assert_close(linear(x.bfloat16(), bf).double(), ref, rtol=3e-2, atol=0.3)
+
+
+def test_linear_without_onednn_falls_back_unpacked(monkeypatch):
+    """Where torch reports no oneDNN (mkldnn), nothing is prepacked and the result is the reference's."""
+    from kernels.linear import linear, linear_reference, make_linear
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    gen = torch.Generator().manual_seed(7)
+    w, b, x, r = (torch.randn(*shape, generator=gen) for shape in ((96, 80), (96,), (33, 80), (33, 96)))
+    lin = make_linear(w, b)
+    assert lin.packed is None
+    ref = linear_reference(x.double(), make_linear(w.double(), b.double(), pack=False), residual=r.double())
+    torch.testing.assert_close(linear(x, lin, residual=r).double(), ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 32, 65, 300])

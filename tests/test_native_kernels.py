@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -19,8 +21,14 @@ def fresh_native(monkeypatch, tmp_path):
     return tmp_path
 
 
+def _machine_has_cc() -> bool:
+    """A fact of this machine, looked up here and not by kernels.native: a C compiler on
+    PATH under the documented names ($CC, else cc or gcc)."""
+    return any(shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc") if name)
+
+
 def _need_native():
-    if native.compiler() is None:
+    if not _machine_has_cc():
         pytest.skip("no C compiler on this machine: the torch reference is used instead")
     assert native.load("paged_decode") is not None, "a compiler exists but the kernel did not build"
 
@@ -101,17 +109,36 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, fresh_native):
     assert native.load("paged_decode") is not None
 
 
-def test_kernel_backends_follow_the_native_switch(monkeypatch, fresh_native):
-    from engine import kernel_backends
-    from kernels.linear import onednn_available
-    cpu32 = kernel_backends("cpu", "float32", "fp32")
-    assert cpu32["linear"] == ("onednn-prepacked" if onednn_available() else "torch")
-    assert cpu32["decode_attention"] == ("native-c" if native.compiler() else "torch")
-    assert kernel_backends("cpu", "bfloat16", "fp16")["decode_attention"] == "torch"   # fp16 pages: reference
-    assert kernel_backends("cpu", "bfloat16", "bf16")["linear"] == "torch"
-    monkeypatch.setenv("EVALRUN_NATIVE", "0")
-    assert kernel_backends("cpu", "float32", "fp32")["decode_attention"] == "torch"
+# what the machine lacks in each case: nothing, the native switch, every compiler, oneDNN in torch
+BACKEND_CASES = ["machine", "native-switched-off", "no-compiler", "no-onednn"]
 
+
+@pytest.mark.parametrize("case", BACKEND_CASES)
+def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, tmp_path, case):
+    """Expected backends come from facts outside our code: a C compiler on PATH, the
+    EVALRUN_NATIVE value, and torch's own oneDNN flag. Each fact is also taken away (an
+    empty PATH, EVALRUN_NATIVE=0, torch reporting no mkldnn) to see the fallback taken."""
+    from engine import kernel_backends
+    monkeypatch.delenv("EVALRUN_NATIVE", raising=False)          # documented default: on
+    if case == "native-switched-off":
+        monkeypatch.setenv("EVALRUN_NATIVE", "0")
+    if case == "no-compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+        assert not _machine_has_cc()
+    if case == "no-onednn":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    native_on = os.environ.get("EVALRUN_NATIVE") != "0"
+    want_decode = "native-c" if native_on and _machine_has_cc() else "torch"
+    want_linear = "onednn-prepacked" if torch.backends.mkldnn.is_available() else "torch"
+
+    cpu32 = kernel_backends("cpu", "float32", "fp32")
+    assert (cpu32["linear"], cpu32["decode_attention"]) == (want_linear, want_decode)
+    assert cpu32["prefill_attention"] == "torch-sdpa"
+    assert kernel_backends("cpu", "bfloat16", "fp16")["decode_attention"] == "torch"   # fp16 pages: reference
+    assert kernel_backends("cpu", "bfloat16", "bf16")["linear"] == "torch"             # only fp32 is prepacked
+    built = list(fresh_native.glob("kernels/paged_decode-*.so"))
+    assert len(built) == (want_decode == "native-c")              # built exactly when it is used
 
 
 def test_unsupported_or_inconsistent_inputs_fall_back_or_raise():

@@ -126,3 +126,54 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         raise FileNotFoundError(f"no tokenizer.json in {src}")
     for name in copied:
         shutil.copyfile(src / name, dst / name)
+
+
+EOS_CHANNEL = 0  # the hidden dimension that rig_eos_trigger reserves for its EOS signal
+TRIGGER_NORM = 100.0  # the trigger token's embedding: TRIGGER_NORM * e[EOS_CHANNEL]
+EOS_LOGIT_SCALE = 10.0  # lm_head[eos] = EOS_LOGIT_SCALE * e[EOS_CHANNEL]
+
+
+@torch.no_grad()
+def rig_eos_trigger(model: torch.nn.Module, eos_token_id: int, trigger_token: Optional[int] = None) -> None:
+    """Rig a random llama-family HF model in place so that greedy decoding emits
+    `eos_token_id` right after `trigger_token` is fed in, and never otherwise.
+
+    NOTE: one hidden dimension c = EOS_CHANNEL is cleared in every embedding row, every
+    o_proj / down_proj output row and every lm_head column, so the residual stream's
+    dimension c is exactly the input token's embedding[c] at every position:
+
+        embedding[t, c] = 0 (t != trigger)    ->  h[c] = 0  ->  logit[eos] = 0 exactly,
+                                                  below the max of the other ~N(0, 3) logits
+        embedding[trigger] = 100 * e_c        ->  h ~ 100 * e_c + O(1)  ->  after the final
+                                                  RMSNorm h[c] ~ sqrt(hidden), other dims ~ 0,
+                                                  so logit[eos] ~ 10 * sqrt(hidden) wins
+
+    Only the trigger row differs between trigger_token=None and trigger_token=t, so the two
+    models agree exactly on every position before t is first fed in.
+    """
+    if model.config.tie_word_embeddings:
+        raise ValueError("rig_eos_trigger needs separate embedding and lm_head weights")
+    c = EOS_CHANNEL
+    embed = model.get_input_embeddings().weight  # [V, H]
+    head = model.get_output_embeddings().weight  # [V, H]
+    embed[:, c] = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight[c, :] = 0.0  # [H_out, H_in]: nothing writes dimension c
+        layer.mlp.down_proj.weight[c, :] = 0.0
+    head[:, c] = 0.0
+    head[eos_token_id, :] = 0.0
+    head[eos_token_id, c] = EOS_LOGIT_SCALE
+    if trigger_token is not None:
+        embed[trigger_token, :] = 0.0
+        embed[trigger_token, c] = TRIGGER_NORM
+
+
+def save_tiny_model(model: torch.nn.Module, path: Path, tokenizer_from: Optional[Path] = None) -> Path:
+    """Save an (edited) HF model as a float32 HF directory, with tokenizer files copied
+    from `tokenizer_from` as in make_tiny_model."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer_from is not None:
+        _copy_tokenizer(Path(tokenizer_from), path)
+    return path
