@@ -6,11 +6,14 @@ Depends on pandas/pyarrow only (never on engine/, tasks/ or evalrun/).
 from results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
 from results.manifest import environment_info, fingerprint_model_dir, read_manifest, throughput
 from results.schema import SCHEMA_VERSION, Manifest, ModelFingerprint, Throughput
-from results.store import RunStore, read_samples
+from results.prompts import read_prompts, write_prompts
+from results.store import RunStore, check_resumable, inspect_run, read_samples, stored_keys
 from results.summary import write_summary
 
 __all__ = [
     "SCHEMA_VERSION",
+    "check_resumable",
+    "inspect_run",
     "Manifest",
     "ModelFingerprint",
     "NotARunDirError",
@@ -21,7 +24,10 @@ __all__ = [
     "environment_info",
     "fingerprint_model_dir",
     "read_manifest",
+    "read_prompts",
     "read_samples",
+    "stored_keys",
+    "write_prompts",
     "throughput",
     "write_summary",
 ]

@@ -27,8 +27,11 @@ SAMPLE_BYTES = 1 << 20  # head and tail sampled from each weight file
 PACKAGES = ("evalrun", "torch", "transformers", "tokenizers", "pandas", "pyarrow", "numpy")
 
 
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"     # every timestamp in a run directory, e.g. 2026-11-30T17:51:09Z
+
+
 def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).strftime(TIME_FORMAT)
 
 
 def _sha256_file(path: Path) -> str:
@@ -150,12 +153,29 @@ def write_manifest(run_dir: str | Path, manifest: dict[str, Any]) -> None:
 
 _MISSING = "<missing>"
 
+# How a differing identity field is named to the user; other fields are named by their key.
+_FIELD_WORDS = {
+    "model_fingerprint": "the model (its config or weights)",
+    "tokenizer_fingerprint": "the tokenizer files",
+    "data_fingerprint": "the data content",
+    "prompt_format": "the prompt format",
+    "task": "the task",
+}
+
 
 def identity_mismatches(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """One line per differing field: "name: stored=... current=..." (empty when equal)."""
+    """One phrase per differing field, in words, e.g. "dtype differs (stored bfloat16, now float32)"."""
     lines = []
     for name in list(stored) + [k for k in current if k not in stored]:
         old, new = stored.get(name, _MISSING), current.get(name, _MISSING)
-        if old != new:
-            lines.append(f"{name}: stored={old!r} current={new!r}")
+        if old == new:
+            continue
+        if name in _FIELD_WORDS:
+            lines.append(f"{_FIELD_WORDS[name]} differs ({name} {_short(old)} stored, {_short(new)} now)")
+        else:
+            lines.append(f"{name} differs (stored {old!r}, now {new!r})")
     return lines
+
+
+def _short(value: Any) -> str:
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) > 16 else repr(value)

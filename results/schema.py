@@ -7,6 +7,8 @@
         part-000000-1a2b3c4d.parquet   one file per flush (complete or absent)
         .part-...parquet.tmp           in-flight write, removed on the next open
         _quarantine-part-...parquet    torn part moved aside (ignored by pyarrow.dataset)
+      prompts/
+        part-000000-1a2b3c4d.parquet   prompt_hash, prompt: each distinct prompt once (results/prompts.py)
       samples.parquet          all parts merged, deduplicated on the key, sorted by key
       summary.parquet          per-subject (or per-group) rows from write_summary
       summary.json             headline numbers from write_summary
@@ -23,6 +25,7 @@ MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"
 SAMPLES_DIR = "samples"
 SAMPLES_FILE = "samples.parquet"
+PROMPTS_DIR = "prompts"
 SUMMARY_PARQUET = "summary.parquet"
 SUMMARY_JSON = "summary.json"
 QUARANTINE_PREFIX = "_quarantine-"
@@ -61,29 +64,48 @@ class Throughput(TypedDict):
     prefill_tokens_per_s: Optional[float]  # prefill_tokens_computed / wall
 
 
-class Manifest(TypedDict, total=False):
-    """manifest.json. The caller supplies the first block; RunStore fills the store-owned ones."""
+class Resume(TypedDict, total=False):
+    """One entry of manifest["resumes"]: a later session of the same run."""
 
-    # supplied by the caller
-    task: str
-    identity: dict[str, Any]  # compared on resume: task, model/tokenizer/data fingerprints, config hash
-    model: dict[str, Any]  # usually `fingerprint_model_dir(path)`
-    dtype: str
-    device: str
-    cache_mode: str
+    at: str  # when it opened the run (TIME_FORMAT)
+    cli_args: list[str]
+    end_time: str  # this session's figures, when it finished (the first run's stay at the top level)
+    throughput: Throughput
+    wall_seconds: float  # humaneval --score-samples
+
+
+class Manifest(TypedDict, total=False):
+    """manifest.json. The caller supplies the first block; RunStore fills the store-owned ones.
+    Every timestamp is UTC in results.manifest.TIME_FORMAT, e.g. "2026-11-30T17:51:09Z"."""
+
+    # supplied by the caller (evalrun's commands)
+    task: str  # "mmlu", "humaneval", "humaneval-score"
+    identity: dict[str, Any]  # compared on resume: task, fingerprints, resolved engine settings, format
+    model: dict[str, Any]  # `fingerprint_model_dir(path)` plus the resolved path
+    dtype: str  # resolved: "float32", "bfloat16", "float16" (never "auto")
+    device: str  # resolved: "cpu", "cuda", "cuda:N"
+    cache_mode: str  # resolved: "fp32", "bf16", "fp16"
+    engine_choices: dict[str, dict[str, str]]  # per setting: {"requested", "value", "reason"}
     page_size: int
+    cache_tokens: int
+    kernels: dict[str, str]  # {"linear", "decode_attention", "prefill_attention"}: the backend each ran on
+    sandbox: dict[str, Any]  # humaneval: the isolation level in force and what it does not isolate
+    n_samples: int  # humaneval: of the session that started the run
+    limit: Optional[int]  # humaneval: of the session that started the run
+    samples_file: str  # humaneval --score-samples
     seeds: dict[str, int]
     cli_args: list[str]
     # set by RunStore.open (setdefault: a caller value wins)
     schema_version: int
     run_id: str
     key_columns: list[str]
-    start_time: str  # ISO 8601 UTC
-    environment: dict[str, Any]  # `environment_info()`: python, packages, git sha
+    start_time: str
+    environment: dict[str, Any]  # `environment_info()`: python, platform, packages, git sha
     status: str  # "running" | "finalized"
-    resumes: list[dict[str, Any]]  # one {"at", "cli_args"} per resume
-    # set at the end (finalize / the caller's update_manifest)
+    resumes: list[Resume]  # one per later session
+    # set at the end (finalize / RunStore.record_session of the session that started the run)
     finalized_at: str
     num_samples: int
-    end_time: str  # set by the caller
+    end_time: str
     throughput: Throughput
+    wall_seconds: float  # humaneval --score-samples

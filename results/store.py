@@ -36,6 +36,7 @@ from results.schema import (
     LOCK_FILE,
     MANIFEST_FILE,
     PART_RE,
+    PROMPTS_DIR,
     QUARANTINE_PREFIX,
     SAMPLES_DIR,
     SAMPLES_FILE,
@@ -67,6 +68,7 @@ class RunStore:
         self._columns: dict[str, Optional[pa.DataType]] = {}  # insertion order = column order
         self._keys: set[Key] = set()
         self._seq = 0
+        self.resumed = False            # True when open() resumed a stored run
 
     @classmethod
     def open(cls, run_dir: str | Path, manifest: dict[str, Any], key_columns: Sequence[str],
@@ -100,6 +102,7 @@ class RunStore:
             (run_dir / SAMPLES_DIR).mkdir(exist_ok=True)
             fsync_dir(run_dir)
             store = cls(run_dir, final, key_columns, flush_rows, flush_seconds, lock_fd)
+            store.resumed = resuming
             store._scan()
         except BaseException:
             os.close(lock_fd)
@@ -149,6 +152,17 @@ class RunStore:
         """Shallow-update manifest.json atomically; fields not named are kept."""
         self._check_open()
         self.manifest.update(to_jsonable(fields))
+        write_manifest(self.run_dir, self.manifest)
+
+    def record_session(self, **fields: Any) -> None:
+        """This session's figures (end_time, throughput, ...): at the top level of the manifest for
+        the session that started the run, in its own `resumes` entry for a resume, so the first
+        run's figures are never overwritten."""
+        self._check_open()
+        if not self.resumed:
+            self.update_manifest(**fields)
+            return
+        self.manifest["resumes"][-1].update(to_jsonable(fields))
         write_manifest(self.run_dir, self.manifest)
 
     def close(self) -> None:
@@ -268,15 +282,16 @@ def _lock(run_dir: Path) -> int:
 
 def _clear_run_dir(run_dir: Path) -> None:
     """Remove only what the store writes; manifest.json last, so a crash here leaves a run dir."""
-    samples_dir = run_dir / SAMPLES_DIR
-    if samples_dir.is_dir():
-        for p in samples_dir.iterdir():
+    for folder in (run_dir / SAMPLES_DIR, run_dir / PROMPTS_DIR):
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
             name = p.name.removeprefix(QUARANTINE_PREFIX)
             ours = PART_RE.match(name) or (name.startswith(".part-") and name.endswith(TMP_SUFFIX))
             if ours and p.is_file():
                 p.unlink()
-        if not any(samples_dir.iterdir()):
-            samples_dir.rmdir()
+        if not any(folder.iterdir()):
+            folder.rmdir()
     for name in (SAMPLES_FILE, SUMMARY_PARQUET, SUMMARY_JSON):
         (run_dir / name).unlink(missing_ok=True)
         for tmp in run_dir.glob(f".{name}.*{TMP_SUFFIX}"):
@@ -299,19 +314,51 @@ def _new_manifest(given: dict[str, Any], key_columns: Sequence[str]) -> dict[str
 
 def _resume_manifest(run_dir: Path, stored: dict[str, Any], given: dict[str, Any],
                      key_columns: Sequence[str]) -> dict[str, Any]:
-    lines = identity_mismatches(stored.get("identity", {}), given["identity"])
-    lines += identity_mismatches(
-        {k: stored.get(k) for k in ("key_columns", "schema_version")},
-        {"key_columns": list(key_columns), "schema_version": SCHEMA_VERSION},
-    )
-    if lines:
-        raise ResumeMismatchError(
-            f"{run_dir} holds a run that differs from this one:\n  " + "\n  ".join(lines)
-            + "\nuse --overwrite to start over"
-        )
+    check_resumable(run_dir, stored, given["identity"], key_columns)
     manifest = dict(stored)
     for name, value in given.items():
         manifest.setdefault(name, value)
     manifest["resumes"] = list(stored.get("resumes", [])) + [{"at": utc_now(), "cli_args": given.get("cli_args")}]
     manifest["status"] = "running"
     return manifest
+
+
+def inspect_run(run_dir: str | Path) -> Optional[dict[str, Any]]:
+    """The manifest of the run in `run_dir`, or None when there is none yet (absent or empty dir).
+
+    Read-only. Raises NotARunDirError for a non-empty dir without manifest.json, or a manifest
+    that is not readable JSON (the message names the file)."""
+    run_dir = Path(run_dir)
+    _check_is_run_dir(run_dir)
+    path = run_dir / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = read_manifest(run_dir)
+    except (OSError, ValueError) as exc:
+        raise NotARunDirError(f"{path} is not a readable run manifest: {exc}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("identity"), dict):
+        raise NotARunDirError(f"{path} is not a run manifest (no \"identity\" object)")
+    return manifest
+
+
+def check_resumable(run_dir: Path, stored: dict[str, Any], identity: dict[str, Any],
+                    key_columns: Sequence[str]) -> None:
+    """Raise ResumeMismatchError, one line naming each difference in words, unless the run
+    stored in `run_dir` has this identity and key columns."""
+    lines = identity_mismatches(stored.get("identity", {}), to_jsonable(identity))
+    lines += identity_mismatches(
+        {k: stored.get(k) for k in ("key_columns", "schema_version")},
+        {"key_columns": list(key_columns), "schema_version": SCHEMA_VERSION},
+    )
+    if lines:
+        raise ResumeMismatchError(
+            f"{run_dir} holds another run: " + "; ".join(lines)
+            + ". Rerun with its settings, choose another --output-dir, or pass --overwrite to discard it"
+        )
+
+
+def stored_keys(run_dir: str | Path, key_columns: Sequence[str]) -> set[Key]:
+    """Keys of the rows durably stored in `run_dir` (read-only: torn parts are skipped, not moved)."""
+    tables, _ = _collect(Path(run_dir), lambda p: None)
+    return {k for t in tables for k in _keys_of(t, key_columns)}
