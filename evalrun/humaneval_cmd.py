@@ -6,15 +6,17 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from engine import SamplerSettings
-from evalrun.common import (base_manifest, check_engine_args, clean, engine_identity, generator_throughput,
-                            load_model, make_generator, model_manifest, resolve_model_dir, utc_stamp)
+from evalrun.common import (base_manifest, check_flush_args, clean, engine_identity, model_manifest, model_name,
+                            resolve_model_dir)
+from evalrun.engine_config import EngineConfig, announce, engine_config
 from evalrun.errors import BadInput
 from evalrun.humaneval_samples import export_samples, read_samples_file, score_samples
-from evalrun.runner import run_task
-from results import RunStore, fingerprint_model_dir, write_summary
+from evalrun.pipeline import TaskRun, generate, pending, report_stored
+from results import RunStore, fingerprint_model_dir, inspect_run, write_summary
+from results.manifest import utc_now
 from tasks.humaneval import HumanEvalSettings, HumanEvalTask, summarize_rows
 from tasks.humaneval_data import HumanEvalData, load_humaneval
 from tasks.sandbox import Sandbox, SandboxLimits
@@ -22,37 +24,34 @@ from tasks.sandbox import Sandbox, SandboxLimits
 
 def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     limits = _check_args(args)
-    data = load_humaneval(args.data_file, args.hub)
+    check_flush_args(args)
     if args.score_samples:
-        return _run_scoring(args, argv, data, limits)
-    check_engine_args(args)
+        return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
+    out_dir = Path(args.output_dir or f"runs/humaneval-{model_name(args.model)}")
+    stored = None if args.overwrite else inspect_run(out_dir)
+    cfg = engine_config(args, stored, out_dir)
     try:
         settings = HumanEvalSettings(args.n_samples, SamplerSettings(temperature=args.temperature, top_p=args.top_p),
                                      args.max_new_tokens, args.seed, args.chat, args.limit)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
+    task = HumanEvalTask(load_humaneval(args.data_file, args.hub), settings)
     model_dir = resolve_model_dir(args.model)
-    model, tokenizer = load_model(args, model_dir)
     fp = fingerprint_model_dir(model_dir)
-    out_dir = Path(args.output_dir or f"runs/humaneval-{Path(model_dir).name}")
+    run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "samples",
+                  args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
+    todo = pending(run)
+    def report(rows: list[dict], per: list[dict], overall: dict, tp: Optional[dict], out: Path) -> None:
+        sandbox = (run.stored if tp is None else run.manifest) or {}
+        _finish(args, rows, overall, out, sandbox.get("sandbox", {}).get("level"), tp)
+
+    if run.stored is not None and todo.todo == 0:
+        return report_stored(run, todo, report)
+    announce("humaneval", cfg)
     with Sandbox(limits, workers=args.workers) as sandbox:
-        task = HumanEvalTask(data, settings, sandbox)
-        manifest = _manifest(args, argv, task, fp, model_dir, sandbox.isolation_info())
-        with _open_store(args, out_dir, manifest, task.key_columns) as store:
-            done = store.completed_keys()
-            generator = make_generator(args, model, tokenizer)
-            fits = min(model.max_seq_len, generator.cache.max_tokens)
-            plans = [p for p in task.plan(tokenizer, fits) if p.doc_key not in done]
-            row_base = {"run_id": store.manifest["run_id"], "task": "humaneval", "cache_mode": args.cache_mode}
-            t0 = time.time()
-            run_task(task, generator, plans, store.add, row_base, progress=not args.no_progress)
-            rows = store.finalize().to_dict("records")
-            per_problem, overall = task.summarize(rows)
-            tp = generator_throughput(generator, t0)
-            write_summary(out_dir, clean(per_problem), clean({**overall, "generator": dict(generator.stats())}))
-            store.update_manifest(end_time=utc_stamp(), throughput=tp)
-    _finish(args, rows, overall, out_dir, sandbox.isolation_info(), tp)
-    return 0
+        task.sandbox = sandbox
+        run.manifest["sandbox"] = sandbox.isolation_info()
+        return generate(run, todo, cfg, model_dir, report)
 
 
 def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalData, limits: SandboxLimits) -> int:
@@ -71,8 +70,8 @@ def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalD
             rows = store.finalize().to_dict("records")
             per_problem, overall = summarize_rows(rows)
             write_summary(out_dir, clean(per_problem), clean(overall))
-            store.update_manifest(end_time=utc_stamp(), wall_seconds=time.time() - t0)
-    _finish(args, rows, overall, out_dir, sandbox.isolation_info(), None)
+            store.record_session(end_time=utc_now(), wall_seconds=time.time() - t0)
+    _finish(args, rows, overall, out_dir, sandbox.isolation_info().get("level"), None)
     return 0
 
 
@@ -94,18 +93,18 @@ def _open_store(args: argparse.Namespace, out_dir: Path, manifest: dict, key_col
                          flush_rows=args.flush_rows, flush_seconds=args.flush_seconds)
 
 
-def _manifest(args: argparse.Namespace, argv: Sequence[str], task: HumanEvalTask, fp: dict, model_dir: Path,
-              isolation: dict) -> dict:
+def _manifest(args: argparse.Namespace, argv: Sequence[str], cfg: EngineConfig, task: HumanEvalTask, fp: dict,
+              model_dir: Path) -> dict:
     s = task.settings
-    identity = {"task": "humaneval", **engine_identity(args, fp), "data_fingerprint": task.fingerprint(),
+    identity = {"task": "humaneval", **engine_identity(cfg, fp), "data_fingerprint": task.fingerprint(),
                 "temperature": s.sampler.temperature, "top_p": s.sampler.top_p, "max_new_tokens": s.max_new_tokens,
                 "chat": s.chat, "seed": s.seed, "timeout": args.timeout, "exec_memory_mb": args.exec_memory_mb}
-    return base_manifest(args, argv, "humaneval", identity, **model_manifest(args, fp, model_dir),
-                         n_samples=s.n_samples, limit=s.limit, sandbox=isolation)
+    return base_manifest(args, argv, "humaneval", identity, **model_manifest(cfg, fp, model_dir),
+                         n_samples=s.n_samples, limit=s.limit)
 
 
 def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], overall: dict[str, Any], out_dir: Path,
-            isolation: dict, tp: dict | None) -> None:
+            sandbox_level: Optional[str], tp: Optional[dict]) -> None:
     if args.export_samples:
         export_samples(rows, Path(args.export_samples))
     ks = [k for k in overall if k.startswith("pass@") and not k.endswith("_stderr")]
@@ -114,7 +113,7 @@ def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], overall: dict[
         err = overall[k + "_stderr"]
         print(f"{k:<9} {overall[k]:.4f}" + ("" if err is None or err != err else f"  ± {err:.4f}"))
     print("exec status: " + ", ".join(f"{k} {v}" for k, v in overall["exec_status"].items()))
-    print(f"sandbox: {isolation.get('level')}")
+    print(f"sandbox: {sandbox_level or '-'}")
     if tp and tp.get("dedup_ratio"):
         print(f"wall {tp['wall_seconds']:.1f}s, prompt tokens {tp['prompt_tokens']}, computed "
               f"{tp['prefill_tokens_computed']} (dedup x{tp['dedup_ratio']:.2f}), new tokens {tp['generated_tokens']}")

@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from kernels.cpu import cpu_flags_line
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -53,23 +55,12 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     return _loaded[name]
 
 
-def _cpu_flags() -> Optional[str]:
-    """The CPU's feature line, or None when it cannot be read (then no -march=native)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return None
-
-
 def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
     cc = compiler()
     if cc is None:
         log.info("no C compiler found: native kernel %s disabled, using the torch reference", name)
         return None
-    cpu = _cpu_flags()
+    cpu = cpu_flags_line()
     flags = FLAGS if cpu is not None else [f for f in FLAGS if f != "-march=native"]
     tmp: Optional[str] = None
     try:

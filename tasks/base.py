@@ -9,9 +9,10 @@ runner owns the generator and the result store; a task knows nothing of pages.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Optional, Protocol, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -54,11 +55,15 @@ class DocPlan:
     requests: list[Request] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)   # carried into the row
     skip_reason: Optional[str] = None
+    prompt: Optional[str] = None        # the prompt's text, stored once per info["prompt_hash"]
 
 
 class Task(Protocol):
     name: str
     key_columns: tuple[str, ...]
+
+    def doc_keys(self) -> list[tuple]:
+        """Keys of the selected documents' rows, without a tokenizer (to see what a resume has left)."""
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]: ...
 
@@ -68,6 +73,11 @@ class Task(Protocol):
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
     def fingerprint(self) -> str: ...
+
+
+def prompt_hash(ids: Sequence[int]) -> str:
+    """A prompt's key in the run's prompts table: a hash of its token ids."""
+    return hashlib.sha256(repr(list(ids)).encode()).hexdigest()[:16]
 
 
 TASKS: dict[str, Callable[..., Task]] = {}

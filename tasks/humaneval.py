@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from engine import SamplerSettings
 
-from .base import Answer, DocPlan, Request, register
+from .base import Answer, DocPlan, Request, prompt_hash, register
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
 from .sandbox import CheckSpec, ExecResult, Sandbox
@@ -111,29 +111,33 @@ class HumanEvalTask:
         """The data only: --limit and --n-samples may grow on resume (keys already done are kept)."""
         return self.data.fingerprint
 
-    def prompt_ids(self, problem: HumanEvalProblem, tokenizer: Any) -> list[int]:
+    def doc_keys(self) -> list[tuple]:
+        return [(p.task_id, idx) for p in self.problems for idx in range(self.settings.n_samples)]
+
+    def prompt_text(self, problem: HumanEvalProblem, tokenizer: Any) -> str:
         if not self.settings.chat:
-            return tokenizer.encode(problem.prompt)
-        text = tokenizer.apply_chat_template(
+            return problem.prompt
+        return tokenizer.apply_chat_template(
             [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=problem.prompt)}])
-        return tokenizer.encode(text, encode_special_tokens=True)
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
         stops = tuple(tokenizer.eos_token_ids) + (() if self.settings.chat else STOP_STRINGS)
         s = self.settings
         for problem in self.problems:
-            ids = tuple(self.prompt_ids(problem, tokenizer))
+            text = self.prompt_text(problem, tokenizer)
+            ids = tuple(tokenizer.encode(text, encode_special_tokens=s.chat))
+            hashed = prompt_hash(ids)
             room = max_seq_len - len(ids)
             for idx in range(s.n_samples):
                 key = (problem.task_id, idx)
                 seed = sample_seed(s.seed, problem.task_id, idx)
                 if room < 1:
-                    yield DocPlan(key, info={"seed": seed}, skip_reason=(
+                    yield DocPlan(key, info={"seed": seed, "prompt_hash": hashed}, skip_reason=(
                         f"prompt of {len(ids)} tokens leaves no room in {max_seq_len} (model context or cache)"))
                     continue
                 request = Request(key, ids, min(s.max_new_tokens, room), stop_conditions=stops,
                                   sampler=s.sampler, seed=seed)
-                yield DocPlan(key, [request], {"seed": seed})
+                yield DocPlan(key, [request], {"seed": seed, "prompt_hash": hashed}, prompt=text)
 
     def score(self, plan: DocPlan, answers: list[Answer]) -> Future:
         if self.sandbox is None:

@@ -10,14 +10,16 @@ choice is not a single token, its full log-likelihood is summed over one job per
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from .base import Answer, DocPlan, Request, TaskDataError, register
+from .base import Answer, DocPlan, Request, TaskDataError, prompt_hash, register
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
+from .mmlu_groups import GROUPS, group_of
+
+PROMPT_FORMAT = "lm-eval-mmlu-default"      # in the run identity: a change of format refuses a resume
 
 
 def format_question(doc: MMLUDoc) -> str:
@@ -54,8 +56,13 @@ class MMLUTask:
         self.choice_ids: list[list[int]] = []
 
     def fingerprint(self) -> str:
-        spec = f"{self.data.fingerprint}|{self.subjects}|{self.limit}|{self.num_fewshot}"
-        return hashlib.sha256(spec.encode()).hexdigest()[:16]
+        """The data content only: the selection (--subjects, --limit) may change on resume,
+        since rows are keyed by question."""
+        return self.data.fingerprint
+
+    def doc_keys(self) -> list[tuple]:
+        """Keys of the selected questions (no tokenizer needed)."""
+        return [(doc.subject, doc.doc_id) for doc in self.docs()]
 
     def docs(self) -> Iterator[MMLUDoc]:
         for subject in self.subjects:
@@ -70,12 +77,14 @@ class MMLUTask:
                   choice_ids: list[list[int]]) -> DocPlan:
         key = (doc.subject, doc.doc_id)
         longest = max(len(c) for c in choice_ids)
+        base = {"question": doc.question, "target": LETTERS[doc.answer]}
         for k in range(self.num_fewshot, -1, -1):
-            ids = tokenizer.encode(build_prompt(doc.subject, self.data.dev[doc.subject][:k], doc))
+            text = build_prompt(doc.subject, self.data.dev[doc.subject][:k], doc)
+            ids = tokenizer.encode(text)
             if len(ids) + longest <= max_seq_len:
-                info = {"num_fewshot_used": k, "prompt_hash": _hash(ids), "target": LETTERS[doc.answer]}
-                return DocPlan(key, _requests(key, ids, choice_ids), info)
-        return DocPlan(key, info={"num_fewshot_used": 0, "target": LETTERS[doc.answer]},
+                info = {**base, "num_fewshot_used": k, "prompt_hash": prompt_hash(ids)}
+                return DocPlan(key, _requests(key, ids, choice_ids), info, prompt=text)
+        return DocPlan(key, info={**base, "num_fewshot_used": 0},
                        skip_reason=f"prompt does not fit in {max_seq_len} tokens (model context or cache) even 0-shot")
 
     def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
@@ -92,12 +101,16 @@ class MMLUTask:
         }
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Per subject (with its category group), per group (micro-averaged over its questions, as
+        lm-eval's mmlu groups are), overall and macro accuracy over subjects."""
         scored = [r for r in rows if not r.get("skipped")]
         per_subject = []
         for subject in self.subjects:
             sub = [bool(r["correct"]) for r in scored if r["subject"] == subject]
-            per_subject.append({"subject": subject, **_acc(sub)})
+            per_subject.append({"subject": subject, "group": group_of(subject), **_acc(sub)})
         overall = _acc([bool(r["correct"]) for r in scored])
+        overall["groups"] = {g: _acc([bool(r["correct"]) for r in scored if group_of(r["subject"]) == g])
+                             for g in GROUPS}
         overall["skipped"] = len(rows) - len(scored)
         overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
                                      max(1, sum(1 for s in per_subject if s["n"])))
@@ -125,10 +138,6 @@ def choice_logprobs(base: tuple[int, ...], choice_ids: list[list[int]], answers:
             prefix = prefix + (tok,)
         out.append(total)
     return out
-
-
-def _hash(ids: list[int]) -> str:
-    return hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
 
 
 def _acc(correct: list[bool]) -> dict[str, Any]:

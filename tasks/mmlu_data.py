@@ -1,7 +1,8 @@
 """MMLU documents: the hub dataset, or local files in the cais/mmlu parquet layout or
-the original Hendrycks CSV layout. Everything goes through `datasets`."""
+the original Hendrycks CSV layout."""
 from __future__ import annotations
 
+import csv
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +30,17 @@ class MMLUData:
 
 
 def load_mmlu(data_dir: Optional[str | Path] = None) -> MMLUData:
+    """The hub's cais/mmlu (via `datasets`) when `data_dir` is None, else local files, read
+    directly with pyarrow / csv (fast, and every error names the file)."""
     if data_dir is None:
         import datasets
         ds = datasets.load_dataset("cais/mmlu", "all")
-        return _build({"dev": (ds["dev"], "cais/mmlu:dev"), "test": (ds["test"], "cais/mmlu:test")})
+        return _build({s: (ds[s].column_names, list(ds[s]), f"cais/mmlu:{s}") for s in ("dev", "test")})
     root = Path(data_dir)
     if not root.is_dir():
         raise TaskDataError(f"MMLU data directory not found: {root}")
     if (root / "dev.parquet").is_file() and (root / "test.parquet").is_file():
-        return _build({s: (_parquet(root / f"{s}.parquet"), str(root / f"{s}.parquet")) for s in ("dev", "test")})
+        return _build({s: _parquet(root / f"{s}.parquet") for s in ("dev", "test")})
     if (root / "dev").is_dir() and (root / "test").is_dir():
         return _build({s: _csv_split(root / s, s) for s in ("dev", "test")})
     raise TaskDataError(
@@ -46,39 +49,53 @@ def load_mmlu(data_dir: Optional[str | Path] = None) -> MMLUData:
     )
 
 
-def _parquet(path: Path):
-    import datasets
-    return datasets.load_dataset("parquet", data_files=str(path), split="train")
+Split = tuple[list[str], list[dict], str]        # column names, rows, where they came from
 
 
-def _csv_split(folder: Path, split: str):
-    import datasets
+def _parquet(path: Path) -> Split:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise TaskDataError(f"{path}: not a readable parquet file ({exc})") from None
+    return table.column_names, table.to_pylist(), str(path)
+
+
+def _csv_split(folder: Path, split: str) -> Split:
     files = sorted(folder.glob(f"*_{split}.csv"))
     if not files:
         raise TaskDataError(f"no *_{split}.csv files in {folder}")
-    rows = {"subject": [], "question": [], "choices": [], "answer": [], "_source": []}
+    rows = []
     for f in files:
         subject = f.name[: -len(f"_{split}.csv")]
-        table = datasets.load_dataset("csv", data_files=str(f), split="train", column_names=list("qabcde"))
-        for i, r in enumerate(table):
-            if r["e"] not in LETTERS:
-                raise TaskDataError(f"{f} row {i + 1}: answer {r['e']!r} is not one of A, B, C, D")
-            rows["subject"].append(subject)
-            rows["question"].append(r["q"])
-            rows["choices"].append([str(r[c]) for c in "abcd"])
-            rows["answer"].append(LETTERS.index(r["e"]))
-            rows["_source"].append(f"{f} row {i + 1}")
-    return datasets.Dataset.from_dict(rows), str(folder)
+        for i, r in enumerate(_csv_rows(f)):
+            where = f"{f} row {i + 1}"
+            if len(r) != 6:
+                raise TaskDataError(f"{where}: expected 6 fields (question, 4 choices, answer), got {len(r)}")
+            if r[5] not in LETTERS:
+                raise TaskDataError(f"{where}: answer {r[5]!r} is not one of A, B, C, D")
+            rows.append({"subject": subject, "question": r[0], "choices": r[1:5],
+                         "answer": LETTERS.index(r[5]), "_source": where})
+    return ["subject", "question", "choices", "answer"], rows, str(folder)
 
 
-def _build(splits) -> MMLUData:
+def _csv_rows(path: Path) -> list[list[str]]:
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise TaskDataError(f"{path}: not a readable CSV file ({exc})") from None
+
+
+def _build(splits: dict[str, Split]) -> MMLUData:
     out, digest = {}, hashlib.sha256()
-    for split, (table, source) in splits.items():
-        missing = {"subject", "question", "choices", "answer"} - set(table.column_names)
+    for split, (columns, rows, source) in splits.items():
+        missing = {"subject", "question", "choices", "answer"} - set(columns)
         if missing:
             raise TaskDataError(f"{source}: missing column(s) {', '.join(sorted(missing))}")
         by_subject: dict[str, list[MMLUDoc]] = {}
-        for i, r in enumerate(table):
+        for i, r in enumerate(rows):
             where = r.get("_source") or f"{source} row {i}"
             doc = _doc(r, len(by_subject.get(r["subject"], [])), where)
             by_subject.setdefault(doc.subject, []).append(doc)

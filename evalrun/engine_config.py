@@ -1,0 +1,77 @@
+"""`EngineConfig`: the engine settings of one command, checked and resolved (no `auto` left)
+before any model is loaded. Past the CLI, commands pass this record, not the argparse namespace."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from engine.auto import AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_device, choose_dtype
+from evalrun.errors import BadInput
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str
+    dtype: str
+    cache_mode: str
+    cache_tokens: int = 65536
+    page_size: int = 256
+    max_batch_size: Optional[int] = None
+    max_chunk_size: int = 2048
+    choices: dict[str, Choice] = field(default_factory=dict)    # how device/dtype/cache_mode were picked
+
+    def __post_init__(self) -> None:
+        for name in ("cache_tokens", "page_size", "max_chunk_size"):
+            if getattr(self, name) < 1:
+                raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise BadInput(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.cache_tokens < self.page_size:
+            raise BadInput(f"--cache-tokens ({self.cache_tokens}) must be at least --page-size ({self.page_size})")
+
+    def choices_record(self) -> dict[str, dict[str, str]]:
+        """manifest["engine_choices"]: {"dtype": {"requested": "auto", "value": "float32", "reason": ...}}."""
+        return {name: {"requested": c.requested, "value": c.value, "reason": c.reason}
+                for name, c in self.choices.items()}
+
+    def describe(self) -> str:
+        """One line for the start of a run, e.g. "device cpu (auto: no CUDA device), dtype float32 (...)"."""
+        names = {"device": "device", "dtype": "dtype", "cache_mode": "KV cache"}
+        return ", ".join(f"{names[n]} {c.value} ({'auto: ' if c.requested == AUTO else ''}{c.reason})"
+                         for n, c in self.choices.items())
+
+
+def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], run_dir: Path,
+                  facts: Optional[HostFacts] = None) -> EngineConfig:
+    """Resolve --device/--dtype/--cache-mode. `auto` takes the stored run's values when resuming
+    (so a run resumes the same on another host), else the host's best choice."""
+    from engine.auto import host_facts
+    from engine.cache import CACHE_MODES
+
+    facts = facts or host_facts()
+    kept = (stored or {}).get("identity", {})
+    try:
+        device = _choose("device", args.device, kept, run_dir, lambda r: choose_device(r, facts))
+        dtype = _choose("dtype", args.dtype, kept, run_dir, lambda r: choose_dtype(r, device.value, facts))
+        cache = _choose("cache_mode", args.cache_mode, kept, run_dir,
+                        lambda r: choose_cache_mode(r, dtype.value, tuple(CACHE_MODES)))
+    except SettingError as exc:
+        raise BadInput(str(exc)) from None
+    return EngineConfig(device.value, dtype.value, cache.value, args.cache_tokens, args.page_size,
+                        args.max_batch_size, args.max_chunk_size,
+                        {"device": device, "dtype": dtype, "cache_mode": cache})
+
+
+def _choose(name: str, requested: str, kept: dict[str, Any], run_dir: Path,
+            choose: Callable[[str], Choice]) -> Choice:
+    if requested == AUTO and isinstance(kept.get(name), str):
+        checked = choose(kept[name])                 # still possible on this host?
+        return Choice(AUTO, checked.value, f"as stored by the run in {run_dir}")
+    return choose(requested)
+
+
+def announce(command: str, cfg: EngineConfig) -> None:
+    print(f"evalrun {command}: {cfg.describe()}", file=sys.stderr, flush=True)

@@ -1,0 +1,105 @@
+"""One run pipeline for every task: check the run directory, then (only if there is work)
+load the model, queue every remaining request, store rows as they finish, summarize.
+
+    TaskRun (decided without a model) ──► pending(run) ──► nothing left: report the stored rows
+                                                      └──► generate(run, ...): model, store, rows, summary
+
+The summary always covers the current selection (--subjects/--limit/--n-samples); rows
+outside it stay stored. A resume that has nothing to do writes nothing.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from evalrun.common import clean, generator_throughput, load_model, make_generator
+from evalrun.engine_config import EngineConfig
+from evalrun.runner import RunTotals, run_task
+from results import RunStore, check_resumable, read_samples, stored_keys, write_prompts, write_summary
+from results.manifest import utc_now
+from tasks.base import Task
+
+# report(rows of the selection, summary rows, overall, this session's throughput or None, run dir)
+Report = Callable[[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], Optional[dict], Path], None]
+
+
+@dataclass
+class TaskRun:
+    """One command's run, everything decided before a model is loaded."""
+    task: Task
+    out_dir: Path
+    manifest: dict[str, Any]                 # for a new run; its "identity" is compared on resume
+    stored: Optional[dict[str, Any]]         # the manifest already in out_dir (None: new run / --overwrite)
+    unit: str                                # "questions", "samples"
+    overwrite: bool = False
+    flush_rows: int = 256
+    flush_seconds: float = 30.0
+    progress: bool = True
+
+
+@dataclass
+class Pending:
+    keys: list[tuple]                        # the current selection
+    done: set[tuple]                         # of those, stored already
+
+    @property
+    def todo(self) -> int:
+        return len(self.keys) - len(self.done)
+
+
+def pending(run: TaskRun) -> Pending:
+    """What the run directory already holds of the selection; raises ResumeMismatchError (in
+    words) when it holds another run — before anything is loaded or written."""
+    keys = run.task.doc_keys()
+    if run.stored is None:
+        return Pending(keys, set())
+    check_resumable(run.out_dir, run.stored, run.manifest["identity"], run.task.key_columns)
+    stored = stored_keys(run.out_dir, run.task.key_columns)
+    return Pending(keys, {k for k in keys if k in stored})
+
+
+def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
+    """Nothing to run: say so, print the stored results of the selection, change nothing."""
+    print(f"{len(todo.keys)} of {len(todo.keys)} {run.unit} already done in {run.out_dir}; nothing to run",
+          file=sys.stderr)
+    rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
+    per, overall = run.task.summarize(rows)
+    report(rows, per, overall, None, run.out_dir)
+    return 0
+
+
+def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, report: Report) -> int:
+    if todo.done:
+        print(f"resuming {run.out_dir}: {len(todo.done)} of {len(todo.keys)} {run.unit} already done, "
+              f"{todo.todo} to run", file=sys.stderr)
+    model, tokenizer = load_model(cfg, model_dir)
+    store = RunStore.open(run.out_dir, run.manifest, key_columns=run.task.key_columns, overwrite=run.overwrite,
+                          flush_rows=run.flush_rows, flush_seconds=run.flush_seconds)
+    with store:
+        generator = make_generator(cfg, model, tokenizer)
+        fits = min(model.max_seq_len, generator.cache.max_tokens)     # longer prompts are skipped rows
+        done = store.completed_keys()
+        plans = [p for p in run.task.plan(tokenizer, fits) if p.doc_key not in done]
+        write_prompts(run.out_dir, {p.info["prompt_hash"]: p.prompt for p in plans if p.prompt is not None})
+        row_base = {"run_id": store.manifest["run_id"], "task": run.task.name, "cache_mode": cfg.cache_mode}
+        t0 = time.time()
+        totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress)
+        rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
+        per, overall = run.task.summarize(rows)
+        tp = generator_throughput(generator, t0)
+        write_summary(run.out_dir, clean(per), clean({**overall, "this_session": _session(totals, generator)}))
+        store.record_session(end_time=utc_now(), throughput=tp)
+    report(rows, per, overall, tp, run.out_dir)
+    return 0
+
+
+def _session(totals: RunTotals, generator: Any) -> dict[str, Any]:
+    return {"rows": totals.docs, "generator": dict(generator.stats())}
+
+
+def _selected(rows: list[dict[str, Any]], task: Task, keys: list[tuple]) -> list[dict[str, Any]]:
+    wanted = set(keys)
+    return [r for r in rows if tuple(r[c] for c in task.key_columns) in wanted]
