@@ -156,7 +156,7 @@ def test_resume_refused_when_identity_differs(tmp_path: Path) -> None:
         RunStore.open(run_dir, manifest(model_fingerprint="m-bbb", data_fingerprint="d-2"), KEYS)
     message = str(err.value)
     for text in ("model_fingerprint", "'m-aaa'", "'m-bbb'", "data_fingerprint", "'d-1'", "'d-2'",
-                 "use --overwrite to start over"):
+                 "the model (its config or weights) differs", "the data content differs", "--overwrite"):
         assert text in message
     assert "tokenizer_fingerprint" not in message
     with pytest.raises(ResumeMismatchError, match="key_columns"):
