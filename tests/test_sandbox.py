@@ -90,6 +90,8 @@ def test_status_rules():
     nonce, limits = "ab" * 16, SandboxLimits()
     gone = {"status": "error", "error": "worker closed the connection", "worker_gone": True}
     cases = [(Outcome({"status": "passed", "nonce": nonce}, timed_out=True), ("passed", None)),
+             (Outcome({"status": "passed", "nonce": nonce}, cleanup_errors=["killpg(7, SIGKILL) failed: EPERM"]),
+              ("error", "cleanup failed: killpg(7, SIGKILL) failed: EPERM")),
              (Outcome({"status": "passed", "nonce": "cd" * 16}), ("error", "verdict nonce mismatch")),
              (Outcome({"status": "passed"}), ("error", "verdict nonce mismatch")),
              (Outcome(None, timed_out=True, output_exceeded=True), ("timeout", "timed out after 3 s")),

@@ -66,12 +66,17 @@ def mount_points() -> list[tuple[str, int]]:
     return points
 
 
-def remount_readonly(skip: Iterable[str]) -> list[str]:
-    """Bind-remount every mount read-only, except those at or below a `skip` path (covered by
-    a fresh tmpfs); returns the mount points that failed."""
+def is_below(path: str, roots: Iterable[str]) -> bool:
+    """`path` is one of `roots` or inside one (by name; no symlinks resolved)."""
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def remount_readonly(skip: Iterable[str], within: str = "/") -> list[str]:
+    """Bind-remount every mount at or below `within` read-only, except those at or below a
+    `skip` path (covered by a fresh tmpfs); returns the mount points that failed."""
     skip, failed, done = tuple(skip), [], set()
     for path, flags in mount_points():
-        if path in done or any(path == s or path.startswith(s.rstrip("/") + "/") for s in skip):
+        if path in done or not is_below(path, (within,)) or is_below(path, skip):
             continue
         done.add(path)
         try:
@@ -84,6 +89,25 @@ def remount_readonly(skip: Iterable[str]) -> list[str]:
 def mount_tmpfs(path: str, size_mb: int, mode: int = 0o1777, uid: int = 0) -> None:
     options = f"size={size_mb}m,nr_inodes=4096,mode={mode:o},uid={uid},gid={uid}"
     mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+
+
+def make_dirs(path: str, mode: int = 0o755) -> None:
+    """mkdir -p, giving the directories it creates exactly `mode` (no umask)."""
+    if os.path.isdir(path):
+        return
+    make_dirs(os.path.dirname(path), mode)
+    os.mkdir(path)
+    os.chmod(path, mode)
+
+
+def bind_back_readonly(fd: int, target: str) -> None:
+    """Bind-mount the directory behind `fd` (an O_PATH fd opened before a tmpfs covered it)
+    at `target`, creating the path, and make it and every mount below it read-only."""
+    make_dirs(target)
+    mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    failed = remount_readonly(skip=(), within=target)
+    if failed:
+        raise OSError(f"read-only remount failed for {', '.join(failed)}")
 
 
 def can_traverse(st: os.stat_result, uid: int) -> bool:

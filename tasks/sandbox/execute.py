@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import secrets
 import selectors
@@ -21,8 +22,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from . import procs
 from .isolation import NAMESPACE_WORKDIR, Isolation, launcher_argv, launcher_config, worker_env
@@ -31,6 +32,8 @@ from .spec import CheckSpec, ExecResult, SandboxLimits
 
 _VERDICT_BYTES = 1 << 20
 _EXIT_GRACE_S = 2.0
+_REAP_TIMEOUT_S = 5.0
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,11 +45,15 @@ class Outcome:
     aborted: bool = False
     worker_code: Optional[int] = None      # launcher's exit status (128 + n: signal n)
     checker_code: Optional[int] = None
+    cleanup_errors: list[str] = field(default_factory=list)   # processes that could not be killed
 
 
 def classify(outcome: Outcome, nonce: str, limits: SandboxLimits, exec_time: float) -> ExecResult:
-    """The status rules: a nonce-matching "passed" verdict wins; then timeout, output
-    cap, missing verdict, the worker's death, and finally the checker's own verdict."""
+    """The status rules: a failed cleanup is an error whatever the verdict; then a
+    nonce-matching "passed" verdict wins; then timeout, output cap, missing verdict, the
+    worker's death, and finally the checker's own verdict."""
+    if outcome.cleanup_errors:
+        return ExecResult("error", exec_time, ("cleanup failed: " + "; ".join(outcome.cleanup_errors))[:1000])
     verdict = outcome.verdict
     if verdict is not None and verdict.get("status") == "passed":
         if hmac.compare_digest(str(verdict.get("nonce")).encode(), nonce.encode()):
@@ -224,7 +231,8 @@ class CheckRun:
         return len(data)
 
     def _stop(self) -> None:
-        """Kill and reap everything of this check. NOTE: groups are killed before reaping."""
+        """Kill and reap everything of this check. NOTE: groups are killed before reaping.
+        What cannot be killed is logged and recorded in the outcome (the check cannot pass)."""
         lifeline = self._fds.pop("lifeline", None)
         if lifeline is not None:
             os.close(lifeline)          # the launcher ends the worker and exits
@@ -232,27 +240,41 @@ class CheckRun:
             if name in self._fds:
                 os.close(self._fds.pop(name))
         if self._worker is not None and self.iso.level != "basic":
-            procs.kill_child(self._worker.pid)     # PID 1 of the namespace: the kernel kills the rest
-        for proc, pidfd_name, grace in ((self._checker, "checker_pidfd", 0.0), (self._worker, "worker_pidfd", _EXIT_GRACE_S)):
-            if proc is None:
-                continue
-            pidfd = self._fds.pop(pidfd_name, None)
-            if pidfd is not None:
-                procs.wait_exit(pidfd, grace)
-                os.close(pidfd)
-            procs.kill_group(proc.pid)
-            if proc.stdin and not proc.stdin.closed:
-                proc.stdin.close()
-            code = proc.wait()
-            if proc is self._worker:
-                self.outcome.worker_code = code
-            else:
-                self.outcome.checker_code = code
+            self._kill(procs.kill_child, self._worker.pid)   # PID 1 of the namespace: the kernel kills the rest
+        if self._checker is not None:
+            self.outcome.checker_code = self._reap(self._checker, "checker_pidfd", 0.0)
+        if self._worker is not None:
+            self.outcome.worker_code = self._reap(self._worker, "worker_pidfd", _EXIT_GRACE_S)
         if self.uid is not None:
-            procs.kill_uid(self.uid, self.python)
+            self._kill(procs.kill_uid, self.uid)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         with self._wake_lock:
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1
+
+    def _reap(self, proc: subprocess.Popen, pidfd_name: str, grace: float) -> Optional[int]:
+        """Give `proc` `grace` seconds to exit, kill its process group, reap it; its exit code."""
+        pidfd = self._fds.pop(pidfd_name, None)
+        if pidfd is not None:
+            procs.wait_exit(pidfd, grace)
+            os.close(pidfd)
+        self._kill(procs.kill_group, proc.pid)
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+        try:
+            return proc.wait(timeout=_REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self._kill_failed(f"pid {proc.pid} still running after SIGKILL")
+            return None
+
+    def _kill(self, kill: Callable[[int], None], target: int) -> None:
+        try:
+            kill(target)
+        except (procs.CleanupError, OSError) as exc:
+            self._kill_failed(f"{kill.__name__}({target}): {exc}")
+
+    def _kill_failed(self, message: str) -> None:
+        _log.error("sandbox: %s", message)
+        self.outcome.cleanup_errors.append(message)

@@ -140,7 +140,7 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
     return {"level": iso.level, "network_isolated": namespaced and set(report["interfaces"]) <= {"lo"},
             "pid_namespace": bool(report.get("pid_namespace")), "readonly_fs": bool(report["root_readonly"]),
             "uid_dropped": uid is not None and report["uid"] == uid, "capabilities_dropped": report["cap_eff"] == 0,
-            "exposed_paths": report.get("exposed", []),
+            "exposed_paths": report.get("exposed", []), "rebound_paths": report.get("rebound", []),
             "rlimits": {"cpu_seconds": limits.cpu_seconds, "address_space_mb_above_interpreter": limits.memory_mb,
                         "file_size_mb": limits.file_size_mb, "max_processes": report["nproc"], "core": 0},
             "wall_timeout_s": limits.timeout, "output_bytes": limits.output_bytes, "notes": notes}

@@ -1,7 +1,8 @@
 """The worker's launcher: confine, fork the worker, supervise it until it or the parent ends.
 
     parent --(unshare ...)--> launcher  (PID 1 of the new PID namespace at the namespace levels)
-        launcher: private read-only mounts, tmpfs /tmp and /dev/shm, work dir
+        launcher: private read-only mounts, tmpfs /tmp and /dev/shm (the interpreter's own
+                  directories bound back read-only if they hid it), work dir
         launcher --fork--> worker: rlimits, drop uid/capabilities, no_new_privs, chdir, run program
         launcher waits for: the worker's exit | EOF on the lifeline pipe (parent done or dead) | deadline
         then kills what is left and exits with the worker's status (128 + signal if signalled).
@@ -26,27 +27,67 @@ from tasks.sandbox.codec import error_line, write_frame
 from tasks.sandbox.worker import worker_main
 
 NAMESPACE_LEVELS = ("namespaces", "userns")
+COVERED = ("/tmp", "/dev/shm")           # each gets a fresh tmpfs at the namespace levels
+
+
+def executable_dirs() -> list[str]:
+    """The directory of sys.executable and of every symlink on the way to the real file."""
+    path, dirs = sys.executable, []
+    for _ in range(40):
+        dirs.append(os.path.dirname(path))
+        if not os.path.islink(path):
+            break
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+    return dirs
+
+
+def venv_dir() -> str | None:
+    """The venv that sys.executable belongs to (where its pyvenv.cfg is), found as site.py
+    does. NOTE: under -S, sys.prefix stays the base interpreter's even in a venv."""
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    for folder in (bin_dir, os.path.dirname(bin_dir)):
+        if os.path.isfile(os.path.join(folder, "pyvenv.cfg")):
+            return folder
+    return None
 
 
 def interpreter_paths() -> list[str]:
-    """Directories this interpreter reads from."""
-    paths = [os.path.dirname(os.path.realpath(sys.executable)), sys.prefix, sys.exec_prefix, sys.base_prefix]
-    return sorted({p for p in paths + sys.path if p and os.path.isdir(p)})
+    """Directories this interpreter (and a `python` started from sys.executable) reads from."""
+    paths = [os.path.dirname(os.path.realpath(sys.executable)), *executable_dirs(), venv_dir(),
+             sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix]
+    return sorted({os.path.normpath(p) for p in paths + sys.path if p and os.path.isdir(p)})
+
+
+def covered_interpreter_paths(paths: list[str]) -> list[str]:
+    """The outermost of `paths` that a COVERED tmpfs would hide (e.g. a venv under /tmp)."""
+    inside = [p for p in paths if confine.is_below(p, COVERED)]
+    if set(inside) & set(COVERED):
+        raise OSError(f"the interpreter reads from {sorted(set(inside) & set(COVERED))}: it cannot run "
+                      "in the sandbox (that directory gets a private tmpfs)")
+    return [p for p in inside if not any(q != p and confine.is_below(p, (q,)) for q in inside)]
 
 
 def prepare_mounts(cfg: dict, report: dict) -> None:
-    """Namespace levels: private mounts, interpreter exposed to the uid, everything read-only
-    except fresh size-capped tmpfs on /tmp and /dev/shm, and the work dir in that /tmp."""
+    """Namespace levels: private mounts, fresh size-capped tmpfs on /tmp and /dev/shm,
+    the interpreter's own directories bound back read-only at their paths when those hid
+    them (a venv under /tmp), the interpreter exposed to the uid, everything else read-only,
+    and the work dir in the new /tmp."""
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
-    confine.mount_tmpfs("/tmp", cfg["tmpfs_mb"])
+    paths = interpreter_paths()
+    hidden = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in covered_interpreter_paths(paths)]
+    for path in COVERED:
+        confine.mount_tmpfs(path, cfg["tmpfs_mb"])
+    for path, fd in hidden:
+        confine.bind_back_readonly(fd, path)
+        os.close(fd)
+    report["rebound"] = [path for path, _ in hidden]
     if cfg["uid"] is not None:
-        report["exposed"] = confine.expose_paths(interpreter_paths(), cfg["uid"], "/tmp")
-    failed = confine.remount_readonly(skip=("/tmp", "/dev/shm"))
+        report["exposed"] = confine.expose_paths(paths, cfg["uid"], "/tmp")
+    failed = confine.remount_readonly(skip=COVERED)
     report["ro_failed"] = failed
     unexpected = sorted(set(failed) - set(cfg["ro_skip"] or ()))
     if cfg["ro_skip"] is not None and unexpected:
         raise OSError(f"read-only remount failed for {', '.join(unexpected)}")
-    confine.mount_tmpfs("/dev/shm", cfg["tmpfs_mb"])
     os.mkdir(cfg["workdir"], 0o700)
     if cfg["uid"] is not None:
         os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])

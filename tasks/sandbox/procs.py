@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import time
+
+
+class CleanupError(RuntimeError):
+    """A process of a check could not be killed: the check must not count as passed."""
 
 
 def _status(pid: str) -> dict[str, str]:
@@ -31,17 +36,35 @@ def live_pids_of_uid(uid: int) -> list[int]:
     return found
 
 
+def _stat_fields(name: str) -> list[bytes]:
+    """/proc/<name>/stat after the command name: state, ppid, pgrp, ..."""
+    with open(f"/proc/{name}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
 def children_of(pid: int) -> list[int]:
     """Processes whose parent is `pid`."""
     found = []
     for name in _pids():
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            ppid = int(_stat_fields(name)[1])
         except (OSError, IndexError, ValueError):
             continue
         if ppid == pid:
             found.append(int(name))
+    return found
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Running (not zombie or dead) processes of process group `pgid`."""
+    found = []
+    for name in _pids():
+        try:
+            fields = _stat_fields(name)
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X", b"x"):
+                found.append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
     return found
 
 
@@ -51,38 +74,47 @@ def kill_child(parent_pid: int) -> None:
     for pid in children_of(parent_pid):
         try:
             pidfd = os.pidfd_open(pid)
-        except OSError:
+        except ProcessLookupError:
             continue
         try:
             if pid in children_of(parent_pid):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except OSError:
-            pass
+        except ProcessLookupError:
+            pass                        # exited meanwhile
         finally:
             os.close(pidfd)
 
 
-def kill_uid(uid: int, python: str, timeout: float = 5.0) -> bool:
-    """Kill every process of `uid`; False if some outlived `timeout`. A helper running as
-    `uid` calls kill(-1, SIGKILL): one pass the kernel makes atomic against fork, so a fork
-    bomb cannot outrun it. NOTE: only for the sandbox's own slot uids."""
+def kill_uid(uid: int, timeout: float = 5.0) -> None:
+    """Kill every process of `uid`; CleanupError if some outlive `timeout`. A helper running
+    as `uid` calls kill(-1, SIGKILL): one pass the kernel makes atomic against fork, so a fork
+    bomb cannot outrun it. NOTE: only for the sandbox's own slot uids. The helper is the
+    system's `kill`, not our interpreter, which `uid` may not be allowed to reach."""
+    kill = shutil.which("kill", path=os.defpath)
     end = time.monotonic() + timeout
-    while live_pids_of_uid(uid):
-        if time.monotonic() > end:
-            return False
-        subprocess.run([python, "-I", "-S", "-c", "import os; os.kill(-1, 9)"], user=uid, group=uid,
-                       extra_groups=[], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, cwd="/", env={})
+    while survivors := live_pids_of_uid(uid):
+        if kill is None or time.monotonic() > end:
+            raise CleanupError(f"uid {uid}: {survivors} still running" + ("" if kill else " (no kill command)"))
+        subprocess.run([kill, "-9", "-1"], user=uid, group=uid, extra_groups=[], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/", env={})
         time.sleep(0.005)
-    return True
 
 
-def kill_group(pgid: int) -> None:
-    """SIGKILL a process group. NOTE: call only while its leader is unreaped (no pid reuse)."""
+def kill_group(pgid: int, timeout: float = 5.0) -> None:
+    """SIGKILL a process group and wait until no member runs; CleanupError if killpg fails
+    (other than for an empty group) or a member outlives `timeout`.
+    NOTE: call only while its leader is unreaped (no pid reuse)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    except ProcessLookupError:
+        return                          # no process left in the group
+    except OSError as exc:
+        raise CleanupError(f"killpg({pgid}, SIGKILL) failed: {exc}") from exc
+    end = time.monotonic() + timeout
+    while survivors := live_group_members(pgid):
+        if time.monotonic() > end:
+            raise CleanupError(f"process group {pgid}: {survivors} still running {timeout:g} s after SIGKILL")
+        time.sleep(0.005)
 
 
 def wait_exit(pidfd: int, timeout: float) -> bool:
