@@ -22,6 +22,8 @@ CACHE_MODES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 class PagedCache:
     def __init__(self, model: "Model", max_tokens: int = 65536, page_size: int = 256, mode: str = "bf16"):
+        if mode == "auto":                                   # the storage of the model's compute dtype
+            mode = next(name for name, dt in CACHE_MODES.items() if dt == model.dtype)
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be one of {', '.join(CACHE_MODES)}, got {mode!r}")
         if not isinstance(page_size, int) or page_size <= 0:

@@ -71,7 +71,11 @@ class Model:
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> "Model":
-        """Load a Hugging Face model directory (config.json + safetensors, sharded or not)."""
+        """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
+        dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (engine/auto.py)."""
+        if dtype == "auto":
+            from .auto import choose_dtype, host_facts
+            dtype = choose_dtype("auto", device, host_facts()).value
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():

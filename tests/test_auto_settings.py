@@ -122,3 +122,12 @@ def test_a_stored_cuda_run_resumed_without_a_gpu_is_refused(tmp_path):
 def test_engine_config_checks_numbers(tmp_path, kw, needle):
     with pytest.raises(BadInput, match=needle):
         engine_config(_args(**kw), None, tmp_path, facts=CPU_ONLY)
+
+
+def test_python_api_accepts_auto(tiny_model_dir):
+    from engine import Model, PagedCache
+    model = Model.load(tiny_model_dir, dtype="auto")
+    expected = choose_dtype("auto", "cpu", host_facts()).value
+    assert str(model.dtype) == f"torch.{expected}"
+    cache = PagedCache(model, max_tokens=64, page_size=16, mode="auto")
+    assert cache.k[0].dtype == model.dtype and cache.mode == {"float32": "fp32", "bfloat16": "bf16"}[expected]
