@@ -1,8 +1,14 @@
-"""MMLU adapter and `evalrun mmlu` end to end: format, reference agreement, resume, bad input."""
+"""MMLU adapter and `evalrun mmlu` end to end: format, reference agreement, resume, bad input.
+
+Most tests run on the 5-subject fixture in tests/data/mmlu (8 test questions per subject), so a
+fresh clone runs them; only those that need all 57 subjects / 14,042 questions read the full data
+from ../shared/data/mmlu (or $EVALRUN_MMLU_DIR) and are skipped without it.
+"""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,13 +23,25 @@ from evalrun.cli import main
 from tasks.mmlu import MMLUTask, build_prompt
 from tasks.mmlu_data import MMLUDoc, load_mmlu
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
-pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data/mmlu")
+FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
+FIXTURE_SUBJECTS = ["abstract_algebra", "high_school_biology", "high_school_geography", "nutrition", "philosophy"]
+FULL = Path(os.environ.get("EVALRUN_MMLU_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu")
+needs_full = pytest.mark.skipif(not FULL.is_dir(),
+                                reason="needs the full MMLU in ../shared/data/mmlu (not in a fresh clone)")
 
 
 @pytest.fixture(scope="module")
 def data():
-    return load_mmlu(DATA)
+    return load_mmlu(FIXTURE)
+
+
+def _longer_fixture(root: Path, copies: int) -> Path:
+    """The fixture with its test rows repeated `copies` times: a run long enough to interrupt."""
+    root.mkdir()
+    shutil.copy(FIXTURE / "dev.parquet", root / "dev.parquet")
+    test = pd.read_parquet(FIXTURE / "test.parquet")
+    pd.concat([test] * copies, ignore_index=True).to_parquet(root / "test.parquet")
+    return root
 
 
 def test_prompt_is_lm_eval_default_format():
@@ -36,7 +54,14 @@ def test_prompt_is_lm_eval_default_format():
     )
 
 
-def test_data_shapes(data):
+def test_fixture_shapes(data):
+    assert sorted(data.test) == sorted(data.dev) == FIXTURE_SUBJECTS
+    assert all(len(v) == 8 for v in data.test.values()) and all(len(v) == 5 for v in data.dev.values())
+
+
+@needs_full
+def test_data_shapes():
+    data = load_mmlu(FULL)
     assert len(data.test) == 57 and sum(len(v) for v in data.test.values()) == 14042
     assert all(len(v) == 5 for v in data.dev.values())
 
@@ -49,12 +74,12 @@ def _samples(out: Path) -> pd.DataFrame:
     return pd.read_parquet(out / "samples.parquet")
 
 
-def test_full_57_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
+def test_all_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(DATA), "--limit", "2",
+    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--limit", "2",
                 "--output-dir", str(out)) == 0
     df = _samples(out)
-    assert len(df) == 114 and df[["subject", "doc_id"]].duplicated().sum() == 0
+    assert len(df) == 5 * 2 and df[["subject", "doc_id"]].duplicated().sum() == 0
     assert {"run_id", "task", "subject", "doc_id", "prompt_hash", "prompt_tokens", "cached_tokens",
             "num_fewshot_used", "target", "prediction", "correct", "choice_logprobs", "cache_mode"} <= set(df.columns)
     assert (df.cached_tokens > 0).mean() >= 0.45                     # the second question of a subject hits
@@ -64,17 +89,28 @@ def test_full_57_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
     assert kernels["linear"] in {"onednn-prepacked", "torch"} and kernels["decode_attention"] in {"native-c", "torch"}
 
 
+@needs_full
+def test_full_57_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(FULL), "--limit", "2",
+                "--output-dir", str(out)) == 0
+    df = _samples(out)
+    assert len(df) == 57 * 2 and df[["subject", "doc_id"]].duplicated().sum() == 0
+    assert sorted(df.subject.unique()) == sorted(load_mmlu(FULL).test)
+    assert "overall" in capsys.readouterr().out
+
+
 def test_csv_layout_gives_same_rows(tiny_model_dir, tmp_path, data):
     csv_root = tmp_path / "csv"
     for split, table in (("dev", data.dev), ("test", data.test)):
         (csv_root / split).mkdir(parents=True)
-        for subject in ("anatomy", "virology"):
+        for subject in ("philosophy", "nutrition"):
             rows = [[d.question, *d.choices, "ABCD"[d.answer]] for d in table[subject]]
             pd.DataFrame(rows).to_csv(csv_root / split / f"{subject}_{split}.csv", header=False, index=False)
     outs = []
-    for i, root in enumerate((csv_root, DATA)):
+    for i, root in enumerate((csv_root, FIXTURE)):
         out = tmp_path / f"run{i}"
-        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(root), "--subjects", "anatomy,virology",
+        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(root), "--subjects", "philosophy,nutrition",
                     "--limit", "3", "--output-dir", str(out)) == 0
         outs.append(_samples(out))
     cols = ["subject", "doc_id", "prompt_hash", "prediction"]
@@ -82,14 +118,16 @@ def test_csv_layout_gives_same_rows(tiny_model_dir, tmp_path, data):
 
 
 def test_long_prompts_drop_shots_then_skip(tiny_model_dir, tmp_path):
-    common = ["--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects", "high_school_european_history",
+    # SmolLM2's tokenizer: nutrition's first 3 questions are 561-601 tokens 5-shot, 505-545 4-shot
+    # and 61-101 0-shot
+    common = ["--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--subjects", "nutrition",
               "--limit", "3", "--page-size", "16"]
-    assert _cli(*common, "--cache-tokens", "1024", "--output-dir", str(tmp_path / "a")) == 0
+    assert _cli(*common, "--cache-tokens", "512", "--output-dir", str(tmp_path / "a")) == 0
     df = _samples(tmp_path / "a")
     assert (df.num_fewshot_used < 5).all() and not df.skipped.any()
-    assert _cli(*common, "--cache-tokens", "64", "--output-dir", str(tmp_path / "b")) == 0
+    assert _cli(*common, "--cache-tokens", "48", "--output-dir", str(tmp_path / "b")) == 0
     df = _samples(tmp_path / "b")
-    assert df.skipped.all() and df.skip_reason.str.contains("does not fit in 64 tokens").all()
+    assert df.skipped.all() and df.skip_reason.str.contains("does not fit in 48 tokens").all()
 
 
 def test_batch_invariance_fp32(tiny_model_dir, tmp_path):
@@ -97,8 +135,8 @@ def test_batch_invariance_fp32(tiny_model_dir, tmp_path):
     for bs in ("1", "8", None):
         out = tmp_path / f"bs{bs}"
         extra = ["--max-batch-size", bs] if bs else []
-        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects",
-                    "astronomy,virology", "--limit", "6", "--output-dir", str(out), *extra) == 0
+        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--subjects",
+                    "abstract_algebra,nutrition", "--limit", "6", "--output-dir", str(out), *extra) == 0
         frames.append(_samples(out))
     for other in frames[1:]:
         assert list(other.prediction) == list(frames[0].prediction)
@@ -123,18 +161,18 @@ def test_ties_break_to_lowest_letter():
 
 
 def test_bad_inputs_exit_2(tiny_model_dir, smollm2_dir, tmp_path, capsys):
-    base = ["--data-dir", str(DATA), "--limit", "1", "--subjects", "anatomy"]
+    base = ["--data-dir", str(FIXTURE), "--limit", "1", "--subjects", "philosophy"]
     assert _cli("--model", str(tmp_path / "nope"), *base, "--output-dir", str(tmp_path / "o1")) == 2
     assert "model directory not found" in capsys.readouterr().err
-    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects", "astrology",
+    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--subjects", "astrology",
                 "--output-dir", str(tmp_path / "o2")) == 2
     err = capsys.readouterr().err
-    assert "unknown subject(s) astrology" in err and "anatomy" in err
+    assert "unknown subject(s) astrology" in err and "philosophy" in err
     bad = tmp_path / "bad"
     bad.mkdir()
-    dev = pd.read_parquet(DATA / "dev.parquet")
+    dev = pd.read_parquet(FIXTURE / "dev.parquet")
     dev.to_parquet(bad / "dev.parquet")
-    test = pd.read_parquet(DATA / "test.parquet").head(20)
+    test = pd.read_parquet(FIXTURE / "test.parquet").head(20)
     test.loc[3, "answer"] = 7
     test.to_parquet(bad / "test.parquet")
     assert _cli("--model", str(tiny_model_dir), "--data-dir", str(bad), "--output-dir", str(tmp_path / "o3")) == 2
@@ -150,8 +188,8 @@ def test_bad_inputs_exit_2(tiny_model_dir, smollm2_dir, tmp_path, capsys):
 
 
 def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
-    args = ["--model", str(tiny_model_dir), "--data-dir", str(DATA), "--subjects",
-            "anatomy,astronomy,virology,marketing", "--limit", "12"]
+    args = ["--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--subjects",
+            "abstract_algebra,high_school_biology,philosophy,nutrition", "--limit", "8"]
     full = tmp_path / "full"
     assert _cli(*args, "--output-dir", str(full)) == 0
     out = tmp_path / "killed"
@@ -176,8 +214,9 @@ def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
 def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
     """With parts flushed only every 1000 rows, a SIGTERM still leaves every finished row on disk."""
     out = tmp_path / "term"
+    data_dir = _longer_fixture(tmp_path / "data", copies=25)         # 5 subjects x 200 questions
     cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--dtype", "float32", "--cache-mode", "fp32",
-           "--model", str(tiny_model_dir), "--data-dir", str(DATA), "--limit", "40", "--max-batch-size", "1",
+           "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--max-batch-size", "1",
            "--output-dir", str(out), "--flush-rows", "1000", "--flush-seconds", "1000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -189,7 +228,7 @@ def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
     parts = list((out / "samples").glob("part-*.parquet"))
     assert len(parts) == 1 and not (out / "samples.parquet").exists()
     rows = pd.read_parquet(parts[0])
-    assert 0 < len(rows) < 57 * 40 and not rows[["subject", "doc_id"]].duplicated().any()
+    assert 0 < len(rows) < 5 * 200 and not rows[["subject", "doc_id"]].duplicated().any()
 
 
 @pytest.mark.slow
@@ -199,7 +238,7 @@ def test_smollm2_predictions_match_transformers(smollm2_dir, data):
     from engine import DynamicGenerator, Model, PagedCache, Tokenizer
     from evalrun.runner import run_task
 
-    task = MMLUTask(subjects=["abstract_algebra", "college_biology", "marketing"], limit=4, data=data)
+    task = MMLUTask(subjects=["abstract_algebra", "high_school_biology", "nutrition"], limit=4, data=data)
     model = Model.load(smollm2_dir, dtype="float32")
     tok = Tokenizer.load(smollm2_dir)
     gen = DynamicGenerator(model, PagedCache(model, max_tokens=8192, page_size=256, mode="fp32"), tok)
