@@ -101,16 +101,16 @@ class MMLUTask:
         }
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Per subject (with its category group), per group (micro-averaged over its questions, as
-        lm-eval's mmlu groups are), overall and macro accuracy over subjects."""
+        """Per subject (with its category group); per group and overall as lm-eval aggregates its
+        mmlu groups: accuracy weighted by questions, stderr pooled over the subjects' stderrs;
+        and the macro accuracy (mean over subjects)."""
         scored = [r for r in rows if not r.get("skipped")]
         per_subject = []
         for subject in self.subjects:
             sub = [bool(r["correct"]) for r in scored if r["subject"] == subject]
             per_subject.append({"subject": subject, "group": group_of(subject), **_acc(sub)})
-        overall = _acc([bool(r["correct"]) for r in scored])
-        overall["groups"] = {g: _acc([bool(r["correct"]) for r in scored if group_of(r["subject"]) == g])
-                             for g in GROUPS}
+        overall = _pooled(per_subject)
+        overall["groups"] = {g: _pooled([s for s in per_subject if s["group"] == g]) for g in GROUPS}
         overall["skipped"] = len(rows) - len(scored)
         overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
                                      max(1, sum(1 for s in per_subject if s["n"])))
@@ -145,3 +145,16 @@ def _acc(correct: list[bool]) -> dict[str, Any]:
     acc = sum(correct) / n if n else float("nan")
     stderr = math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else float("nan")
     return {"n": n, "accuracy": acc, "stderr": stderr}
+
+
+def _pooled(subjects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Size-weighted accuracy and lm-eval's `pooled_sample_stderr` of a group of subjects:
+    sqrt(sum((n_i - 1) * n_i * se_i^2) / (N - k) / N); a subject of one question adds no variance."""
+    used = [s for s in subjects if s["n"]]
+    total = sum(s["n"] for s in used)
+    if total == 0:
+        return {"n": 0, "accuracy": float("nan"), "stderr": float("nan")}
+    accuracy = sum(s["accuracy"] * s["n"] for s in used) / total
+    spread = sum((s["n"] - 1) * s["n"] * s["stderr"] ** 2 for s in used if s["n"] > 1)
+    dof = total - len(used)
+    return {"n": total, "accuracy": accuracy, "stderr": math.sqrt(spread / dof / total) if dof > 0 else float("nan")}

@@ -220,8 +220,9 @@ def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
            "--output-dir", str(out), "--flush-rows", "1000", "--flush-seconds", "1000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and "acc=" not in proc.stderr.read(200):
-        pass
+    for line in proc.stderr:        # text mode reads universal newlines: tqdm's "\r" updates end a line too
+        if "acc=" in line or time.time() > deadline:
+            break
     time.sleep(1.0)
     proc.terminate()
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM

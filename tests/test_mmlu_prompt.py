@@ -201,3 +201,51 @@ def test_subject_groups_match_lm_eval():
 def test_group_of():
     assert group_of("philosophy") == "humanities" and group_of("high_school_geography") == "social_sciences"
     assert group_of("my_company_trivia") is None and group_of("") is None
+
+
+# --- aggregation: lm-eval's own metric functions ----------------------------------------------------
+def _lm_eval_metric_functions(*names: str) -> dict[str, Any]:
+    """Functions from lm_eval/api/metrics.py, compiled from its source: importing that module
+    needs sacrebleu and more, which the --no-deps install leaves out."""
+    import ast
+    import math
+
+    import numpy as np
+    source = (LM_EVAL_MMLU.parents[2] / "api" / "metrics.py").read_text()
+    tree = ast.parse(source)
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    for node in wanted:
+        node.decorator_list = []                 # registry decorators are not needed here
+    scope: dict[str, Any] = {"np": np, "math": math, "List": list}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "lm_eval/api/metrics.py", "exec"), scope)
+    return {n: scope[n] for n in names}
+
+
+def test_group_and_overall_figures_aggregate_as_lm_eval(fixture_data):
+    """Accuracy weighted by questions, stderr = lm-eval's pooled_sample_stderr over the subjects'
+    stderrs (each lm-eval's mean_stderr), on uneven subjects."""
+    f = _lm_eval_metric_functions("sample_stddev", "mean_stderr", "pooled_sample_stderr", "mean")
+    task = MMLUTask(data=fixture_data)
+    rng = __import__("random").Random(7)
+    sizes = {"abstract_algebra": 8, "high_school_biology": 3, "philosophy": 7, "high_school_geography": 1,
+             "nutrition": 5}
+    rows = [{"subject": s, "doc_id": i, "correct": rng.random() < 0.4 + 0.1 * k}
+            for k, (s, n) in enumerate(sizes.items()) for i in range(n)]
+    per_subject, overall = task.summarize(rows)
+
+    def lm_eval(subjects: list[str]) -> tuple[float, float]:
+        values = {s: [float(r["correct"]) for r in rows if r["subject"] == s] for s in subjects}
+        stderrs = [f["mean_stderr"](v) if len(v) > 1 else 0.0 for v in values.values()]
+        sizes_ = [len(v) for v in values.values()]
+        acc = sum(f["mean"](v) * len(v) for v in values.values()) / sum(sizes_)
+        return acc, float(f["pooled_sample_stderr"](stderrs, sizes_))
+
+    for s in per_subject:
+        if s["n"] > 1:
+            assert s["stderr"] == pytest.approx(f["mean_stderr"]([float(r["correct"]) for r in rows
+                                                                   if r["subject"] == s["subject"]]))
+    acc, err = lm_eval(list(sizes))
+    assert (overall["accuracy"], overall["stderr"]) == pytest.approx((acc, err))
+    stem = [s for s in sizes if SUBJECT_GROUP[s] == "stem"]
+    acc, err = lm_eval(stem)
+    assert (overall["groups"]["stem"]["accuracy"], overall["groups"]["stem"]["stderr"]) == pytest.approx((acc, err))
