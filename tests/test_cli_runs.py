@@ -257,3 +257,23 @@ def test_help_states_every_default():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
                 assert "default" in (action.help or ""), f"evalrun {name} {action.option_strings[0]}"
+
+
+def test_humaneval_run_shows_prompts_and_matches_the_schema(tiny_model_dir, tmp_path, capsys):
+    from tasks.humaneval_data import load_humaneval
+    out = tmp_path / "he"
+    assert main(["humaneval", "--no-progress", "--model", str(tiny_model_dir), "--limit", "2",
+                 "--max-new-tokens", "4", "--workers", "1", "--output-dir", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest) <= _keys(Manifest), set(manifest) - _keys(Manifest)
+    assert "sandbox" in manifest and manifest["identity"]["dtype"] != "auto"
+    before = _tree(out)
+    capsys.readouterr()
+    assert main(["humaneval", "--no-progress", "--model", str(tiny_model_dir), "--limit", "2",
+                 "--max-new-tokens", "4", "--output-dir", str(out)]) == 0
+    assert "2 of 2 samples already done" in capsys.readouterr().err and _tree(out) == before
+    assert main(["show", str(out), "--task-id", "HumanEval/1"]) == 0
+    text = capsys.readouterr().out
+    problem = load_humaneval().problems[1]
+    assert "HumanEval/1 sample 0" in text and "HumanEval/0" not in text
+    assert "\n".join("  | " + line for line in problem.prompt.rstrip("\n").split("\n")) in text
