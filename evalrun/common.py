@@ -18,6 +18,14 @@ def check_flush_args(args: argparse.Namespace) -> None:
         raise BadInput("--flush-rows must be >= 1 and --flush-seconds > 0")
 
 
+def stored_run(out_dir: Path, overwrite: bool) -> Optional[dict[str, Any]]:
+    """The manifest of the run in `out_dir` to resume (None: a new run, or --overwrite). Checks the
+    directory either way: not a run dir, an unreadable manifest or a run in use are refused here."""
+    from results import inspect_run
+    stored = inspect_run(out_dir)
+    return None if overwrite else stored
+
+
 def model_name(model: Optional[str]) -> str:
     """The model's directory name, without converting the demo model."""
     if model is None:

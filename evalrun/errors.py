@@ -13,10 +13,10 @@ def as_bad_input(exc: BaseException) -> Optional[BadInput]:
     from engine.config import ConfigError
     from engine.weights import WeightsError
     from tasks.base import TaskDataError
-    from results import NotARunDirError, ResumeMismatchError
+    from results import NotARunDirError, ResumeMismatchError, RunDirBusyError
 
     user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TaskDataError,
-                   ResumeMismatchError, NotARunDirError, json.JSONDecodeError)
+                   ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)
     if isinstance(exc, user_errors):
         return BadInput(str(exc))
     return None

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from evalrun.common import (base_manifest, check_flush_args, engine_identity, model_manifest, model_name,
-                            resolve_model_dir)
+                            resolve_model_dir, stored_run)
 from evalrun.engine_config import EngineConfig, announce, engine_config
 from evalrun.errors import BadInput
 from evalrun.pipeline import TaskRun, generate, pending, report_stored
-from results import fingerprint_model_dir, inspect_run
+from results import fingerprint_model_dir
 from tasks.mmlu import PROMPT_FORMAT, MMLUTask
 from tasks.mmlu_groups import GROUP_DISPLAY_NAME
 
@@ -18,7 +18,7 @@ from tasks.mmlu_groups import GROUP_DISPLAY_NAME
 def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_flush_args(args)
     out_dir = Path(args.output_dir or f"runs/mmlu-{model_name(args.model)}")
-    stored = None if args.overwrite else inspect_run(out_dir)
+    stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
     subjects = [s.strip() for s in args.subjects.split(",") if s.strip()] if args.subjects else None
     try:
@@ -30,7 +30,7 @@ def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "questions",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
     todo = pending(run)
-    if run.stored is not None and todo.todo == 0:
+    if todo.nothing_left:
         return report_stored(run, todo, _print_summary)
     announce("mmlu", cfg)
     return generate(run, todo, cfg, model_dir, _print_summary)
@@ -62,5 +62,5 @@ def _print_summary(rows: list[dict], per_subject: list[dict], overall: dict, tp:
 
 def _line(name: str, s: dict[str, Any], width: int) -> str:
     acc = "-" if s["n"] == 0 else f"{s['accuracy']:.4f}"
-    err = "-" if s["n"] < 2 else f"{s['stderr']:.4f}"
+    err = "-" if s["n"] < 2 or s["stderr"] != s["stderr"] else f"{s['stderr']:.4f}"     # NaN: undefined
     return f"{name:<{width}}  {s['n']:>5}  {acc:>6}  {err:>6}"

@@ -32,7 +32,7 @@ class TaskRun:
     task: Task
     out_dir: Path
     manifest: dict[str, Any]                 # for a new run; its "identity" is compared on resume
-    stored: Optional[dict[str, Any]]         # the manifest already in out_dir (None: new run / --overwrite)
+    stored: Optional[dict[str, Any]]         # the manifest already in out_dir (None: new run or --overwrite)
     unit: str                                # "questions", "samples"
     overwrite: bool = False
     flush_rows: int = 256
@@ -49,6 +49,11 @@ class Pending:
     def todo(self) -> int:
         return len(self.keys) - len(self.done)
 
+    @property
+    def nothing_left(self) -> bool:
+        """A stored run holds every row of the selection."""
+        return bool(self.done) and self.todo == 0
+
 
 def pending(run: TaskRun) -> Pending:
     """What the run directory already holds of the selection; raises ResumeMismatchError (in
@@ -62,13 +67,26 @@ def pending(run: TaskRun) -> Pending:
 
 
 def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
-    """Nothing to run: say so, print the stored results of the selection, change nothing."""
+    """Nothing to run: say so and print the stored results of the selection. A finalized run is
+    left exactly as it is; one stopped before finalizing (killed after its last flush) is
+    finalized now, without a model."""
     print(f"{len(todo.keys)} of {len(todo.keys)} {run.unit} already done in {run.out_dir}; nothing to run",
           file=sys.stderr)
-    rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
-    per, overall = run.task.summarize(rows)
+    if (run.stored or {}).get("status") == "finalized":
+        rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
+        per, overall = run.task.summarize(rows)
+    else:
+        with _open_store(run) as store:
+            rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
+            per, overall = run.task.summarize(rows)
+            write_summary(run.out_dir, clean(per), clean(overall))
     report(rows, per, overall, None, run.out_dir)
     return 0
+
+
+def _open_store(run: TaskRun) -> RunStore:
+    return RunStore.open(run.out_dir, run.manifest, key_columns=run.task.key_columns, overwrite=run.overwrite,
+                         flush_rows=run.flush_rows, flush_seconds=run.flush_seconds)
 
 
 def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, report: Report) -> int:
@@ -76,9 +94,7 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         print(f"resuming {run.out_dir}: {len(todo.done)} of {len(todo.keys)} {run.unit} already done, "
               f"{todo.todo} to run", file=sys.stderr)
     model, tokenizer = load_model(cfg, model_dir)
-    store = RunStore.open(run.out_dir, run.manifest, key_columns=run.task.key_columns, overwrite=run.overwrite,
-                          flush_rows=run.flush_rows, flush_seconds=run.flush_seconds)
-    with store:
+    with _open_store(run) as store:
         generator = make_generator(cfg, model, tokenizer)
         fits = min(model.max_seq_len, generator.cache.max_tokens)     # longer prompts are skipped rows
         done = store.completed_keys()

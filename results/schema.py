@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, TypedDict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2     # 2: MMLU identity without the selection, prompt_format, prompts/ table
 
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"

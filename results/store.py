@@ -327,9 +327,11 @@ def inspect_run(run_dir: str | Path) -> Optional[dict[str, Any]]:
     """The manifest of the run in `run_dir`, or None when there is none yet (absent or empty dir).
 
     Read-only. Raises NotARunDirError for a non-empty dir without manifest.json, or a manifest
-    that is not readable JSON (the message names the file)."""
+    that is not readable JSON or lacks its store fields (the message names the file), and
+    RunDirBusyError while another process has the run open."""
     run_dir = Path(run_dir)
     _check_is_run_dir(run_dir)
+    _check_not_busy(run_dir)
     path = run_dir / MANIFEST_FILE
     if not path.is_file():
         return None
@@ -339,18 +341,37 @@ def inspect_run(run_dir: str | Path) -> Optional[dict[str, Any]]:
         raise NotARunDirError(f"{path} is not a readable run manifest: {exc}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("identity"), dict):
         raise NotARunDirError(f"{path} is not a run manifest (no \"identity\" object)")
+    keys = manifest.get("key_columns")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        raise NotARunDirError(f"{path} is not a run manifest (no \"key_columns\" list)")
     return manifest
+
+
+def _check_not_busy(run_dir: Path) -> None:
+    """RunDirBusyError if a RunStore (any process) holds the run dir's lock; takes nothing."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return                                  # no lock file: nobody has opened it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunDirBusyError(f"{run_dir} is in use by another evalrun process") from None
+    finally:
+        os.close(fd)
 
 
 def check_resumable(run_dir: Path, stored: dict[str, Any], identity: dict[str, Any],
                     key_columns: Sequence[str]) -> None:
     """Raise ResumeMismatchError, one line naming each difference in words, unless the run
     stored in `run_dir` has this identity and key columns."""
+    if stored.get("schema_version") != SCHEMA_VERSION:
+        raise ResumeMismatchError(
+            f"{run_dir} holds a run written by another evalrun version (run schema "
+            f"{stored.get('schema_version')}, this evalrun writes {SCHEMA_VERSION}), which cannot be resumed; "
+            "choose another --output-dir, or pass --overwrite to discard it")
     lines = identity_mismatches(stored.get("identity", {}), to_jsonable(identity))
-    lines += identity_mismatches(
-        {k: stored.get(k) for k in ("key_columns", "schema_version")},
-        {"key_columns": list(key_columns), "schema_version": SCHEMA_VERSION},
-    )
+    lines += identity_mismatches({"key_columns": stored.get("key_columns")}, {"key_columns": list(key_columns)})
     if lines:
         raise ResumeMismatchError(
             f"{run_dir} holds another run: " + "; ".join(lines)

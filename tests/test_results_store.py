@@ -202,7 +202,7 @@ def test_manifest_update_is_atomic_and_keeps_prior_fields(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     with RunStore.open(run_dir, manifest(), KEYS) as store:
         started = read_manifest(run_dir)
-        assert started["schema_version"] == SCHEMA_VERSION == 1
+        assert started["schema_version"] == SCHEMA_VERSION == 2
         assert started["status"] == "running" and started["key_columns"] == KEYS
         assert started["environment"]["packages"]["pyarrow"] == importlib.metadata.version("pyarrow")
         stats = throughput(prompt_tokens=1000, prefill_tokens_computed=250, wall_seconds=2.0, generated_tokens=10)
@@ -224,7 +224,7 @@ def test_write_summary(tmp_path: Path) -> None:
     write_summary(run_dir, [{"subject": "a", "acc": 0.5, "n": 2}, {"subject": "b", "acc": 1.0, "n": 1}],
                   {"acc": 2 / 3, "n": 3})
     assert pd.read_parquet(run_dir / "summary.parquet").acc.tolist() == [0.5, 1.0]
-    assert json.loads((run_dir / "summary.json").read_text()) == {"schema_version": 1, "acc": 2 / 3, "n": 3}
+    assert json.loads((run_dir / "summary.json").read_text()) == {"schema_version": 2, "acc": 2 / 3, "n": 3}
 
 
 def test_fingerprint_model_dir(tmp_path: Path) -> None:
