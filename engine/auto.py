@@ -29,6 +29,7 @@ class HostFacts:
     cpu_flags: Optional[frozenset[str]]      # None: unknown (no /proc/cpuinfo)
     cuda_available: bool
     torch_cuda_build: Optional[str]          # torch.version.cuda; None for a CPU-only build
+    cuda_devices: int = 0                    # torch.cuda.device_count()
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class Choice:
 def host_facts() -> HostFacts:
     import torch
     from kernels.cpu import cpu_flags
-    return HostFacts(cpu_flags(), torch.cuda.is_available(), torch.version.cuda)
+    available = torch.cuda.is_available()
+    return HostFacts(cpu_flags(), available, torch.version.cuda, torch.cuda.device_count() if available else 0)
 
 
 def choose_device(requested: str, facts: HostFacts) -> Choice:
@@ -50,13 +52,16 @@ def choose_device(requested: str, facts: HostFacts) -> Choice:
         why = ("CUDA is available, but the CUDA path is not yet verified on a GPU; pass --device cuda to use it"
                if facts.cuda_available else "no CUDA device")
         return Choice(AUTO, "cpu", why)
-    kind = requested.split(":")[0]
-    if kind not in DEVICES:
+    kind, _, index = requested.partition(":")
+    if kind not in DEVICES or (kind == "cpu" and index) or (index and not index.isdigit()):
         raise SettingError(f"--device must be auto, cpu or cuda[:N], got {requested!r}")
     if kind == "cuda" and not facts.cuda_available:
         build = (f"this torch is built for CUDA {facts.torch_cuda_build} but sees no GPU"
                  if facts.torch_cuda_build else "this torch is a CPU-only build")
         raise SettingError(f"--device {requested}: no CUDA device ({build}); use --device cpu or auto")
+    if index and int(index) >= max(facts.cuda_devices, 1):
+        raise SettingError(f"--device {requested}: this host has {facts.cuda_devices} CUDA device(s), "
+                           f"numbered from 0")
     return Choice(requested, requested, "as given")
 
 

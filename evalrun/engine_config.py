@@ -68,7 +68,12 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
 def _choose(name: str, requested: str, kept: dict[str, Any], run_dir: Path,
             choose: Callable[[str], Choice]) -> Choice:
     if requested == AUTO and isinstance(kept.get(name), str):
-        checked = choose(kept[name])                 # still possible on this host?
+        try:
+            checked = choose(kept[name])                 # still possible on this host?
+        except SettingError as exc:
+            raise SettingError(f"the run in {run_dir} was made with {name} {kept[name]!r}, which this host "
+                               f"cannot resume ({exc}); resume it where that works, or start another "
+                               f"--output-dir") from None
         return Choice(AUTO, checked.value, f"as stored by the run in {run_dir}")
     return choose(requested)
 

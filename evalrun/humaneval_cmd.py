@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from engine import SamplerSettings
 from evalrun.common import (base_manifest, check_flush_args, clean, engine_identity, model_manifest, model_name,
-                            resolve_model_dir)
+                            resolve_model_dir, stored_run)
 from evalrun.engine_config import EngineConfig, announce, engine_config
 from evalrun.errors import BadInput
 from evalrun.humaneval_samples import export_samples, read_samples_file, score_samples
 from evalrun.pipeline import TaskRun, generate, pending, report_stored
-from results import RunStore, fingerprint_model_dir, inspect_run, write_summary
+from results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
+                     write_summary)
 from results.manifest import utc_now
 from tasks.humaneval import HumanEvalSettings, HumanEvalTask, summarize_rows
 from tasks.humaneval_data import HumanEvalData, load_humaneval
 from tasks.sandbox import Sandbox, SandboxLimits
+
+SCORE_KEYS = ("task_id", "sample_idx")
 
 
 def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -28,7 +32,7 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.score_samples:
         return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
     out_dir = Path(args.output_dir or f"runs/humaneval-{model_name(args.model)}")
-    stored = None if args.overwrite else inspect_run(out_dir)
+    stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
     try:
         settings = HumanEvalSettings(args.n_samples, SamplerSettings(temperature=args.temperature, top_p=args.top_p),
@@ -45,7 +49,7 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
         sandbox = (run.stored if tp is None else run.manifest) or {}
         _finish(args, rows, overall, out, sandbox.get("sandbox", {}).get("level"), tp)
 
-    if run.stored is not None and todo.todo == 0:
+    if todo.nothing_left:
         return report_stored(run, todo, report)
     announce("humaneval", cfg)
     with Sandbox(limits, workers=args.workers) as sandbox:
@@ -61,10 +65,15 @@ def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalD
     out_dir = Path(args.output_dir or f"runs/humaneval-scored-{Path(args.score_samples).name.split('.')[0]}")
     identity = {"task": "humaneval-score", "samples_sha256": digest, "data_fingerprint": data.fingerprint,
                 "timeout": limits.timeout, "exec_memory_mb": limits.memory_mb}
+    stored = stored_run(out_dir, args.overwrite)
+    if stored is not None and _all_scored(out_dir, stored, identity, samples):
+        rows = read_samples(out_dir).to_dict("records")
+        _finish(args, rows, summarize_rows(rows)[1], out_dir, stored.get("sandbox", {}).get("level"), None)
+        return 0
     with Sandbox(limits, workers=args.workers) as sandbox:
         manifest = base_manifest(args, argv, "humaneval-score", identity, samples_file=str(args.score_samples),
                                  sandbox=sandbox.isolation_info())
-        with _open_store(args, out_dir, manifest, ("task_id", "sample_idx")) as store:
+        with _open_store(args, out_dir, manifest, SCORE_KEYS) as store:
             t0 = time.time()
             score_samples(samples, data, sandbox, store, progress=not args.no_progress)
             rows = store.finalize().to_dict("records")
@@ -73,6 +82,16 @@ def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalD
             store.record_session(end_time=utc_now(), wall_seconds=time.time() - t0)
     _finish(args, rows, overall, out_dir, sandbox.isolation_info().get("level"), None)
     return 0
+
+
+def _all_scored(out_dir: Path, stored: dict, identity: dict, samples: list) -> bool:
+    """True (and says so) when the finalized run in out_dir already scored every sample of this file."""
+    check_resumable(out_dir, stored, identity, SCORE_KEYS)
+    wanted = {(s.task_id, s.sample_idx) for s in samples}
+    if stored.get("status") != "finalized" or not wanted <= stored_keys(out_dir, SCORE_KEYS):
+        return False
+    print(f"{len(samples)} of {len(samples)} samples already scored in {out_dir}; nothing to run", file=sys.stderr)
+    return True
 
 
 def _check_args(args: argparse.Namespace) -> SandboxLimits:

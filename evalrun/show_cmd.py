@@ -24,7 +24,7 @@ def run_show(args: argparse.Namespace) -> int:
     task = manifest.get("task")
     if task not in _FORMATS:
         raise BadInput(f"{run_dir}: evalrun show knows mmlu and humaneval runs, not {task!r}")
-    rows = [r for r in read_samples(run_dir).to_dict("records") if _wanted(r, args)]
+    rows = [r for r in _read_rows(run_dir) if _wanted(r, args)]
     prompts = {} if args.no_prompt else read_prompts(run_dir)
     print(f"{run_dir}: {task}, {len(rows)} matching row(s); showing {min(len(rows), args.limit)}")
     for row in rows[: args.limit]:
@@ -36,6 +36,14 @@ def run_show(args: argparse.Namespace) -> int:
             if text is not None:
                 print(textwrap.indent(text, "  | ", lambda line: True))
     return 0
+
+
+def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    try:
+        return read_samples(run_dir).to_dict("records")
+    except (KeyError, OSError, ValueError, pa.ArrowException) as exc:
+        raise BadInput(f"{run_dir}: its sample rows cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def _wanted(row: dict[str, Any], args: argparse.Namespace) -> bool:

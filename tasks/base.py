@@ -75,6 +75,18 @@ class Task(Protocol):
     def fingerprint(self) -> str: ...
 
 
+def load_hub_dataset(name: str, *args: Any, hint: str, **kwargs: Any) -> Any:
+    """`datasets.load_dataset(name, ...)`; any failure (offline, unknown name, auth) becomes a
+    TaskDataError naming the dataset and the local alternative `hint`."""
+    import datasets
+    try:
+        return datasets.load_dataset(name, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - network, auth and cache errors all mean the same to the user
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TaskDataError(f"could not load {name} from the Hugging Face hub ({type(exc).__name__}: {first}); "
+                            f"{hint}") from None
+
+
 def prompt_hash(ids: Sequence[int]) -> str:
     """A prompt's key in the run's prompts table: a hash of its token ids."""
     return hashlib.sha256(repr(list(ids)).encode()).hexdigest()[:16]

@@ -132,7 +132,7 @@ class HumanEvalTask:
                 key = (problem.task_id, idx)
                 seed = sample_seed(s.seed, problem.task_id, idx)
                 if room < 1:
-                    yield DocPlan(key, info={"seed": seed, "prompt_hash": hashed}, skip_reason=(
+                    yield DocPlan(key, info={"seed": seed, "prompt_hash": hashed}, prompt=text, skip_reason=(
                         f"prompt of {len(ids)} tokens leaves no room in {max_seq_len} (model context or cache)"))
                     continue
                 request = Request(key, ids, min(s.max_new_tokens, room), stop_conditions=stops,

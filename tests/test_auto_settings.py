@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,7 @@ def test_a_resume_with_auto_keeps_the_stored_values(tmp_path):
 
 def test_a_stored_cuda_run_resumed_without_a_gpu_is_refused(tmp_path):
     stored = {"identity": {"device": "cuda", "dtype": "bfloat16", "cache_mode": "bf16"}}
-    with pytest.raises(BadInput, match="no CUDA device"):
+    with pytest.raises(BadInput, match="was made with device 'cuda', which this host cannot resume"):
         engine_config(_args(), stored, tmp_path, facts=CPU_ONLY)
     cfg = engine_config(_args(), stored, tmp_path, facts=HostFacts(AVX2, True, "12.8"))
     assert cfg.device == "cuda"
@@ -131,3 +132,11 @@ def test_python_api_accepts_auto(tiny_model_dir):
     assert str(model.dtype) == f"torch.{expected}"
     cache = PagedCache(model, max_tokens=64, page_size=16, mode="auto")
     assert cache.k[0].dtype == model.dtype and cache.mode == {"float32": "fp32", "bfloat16": "bf16"}[expected]
+
+
+@pytest.mark.parametrize("device,needle", [("cuda:abc", "--device must be"), ("cuda:-1", "--device must be"),
+                                           ("cpu:0", "--device must be"), ("cuda:2", "has 2 CUDA device(s)")])
+def test_device_names_and_indexes_are_checked(device, needle):
+    with pytest.raises(SettingError, match=re.escape(needle)):
+        choose_device(device, HostFacts(AVX2, True, "12.8", cuda_devices=2))
+    assert choose_device("cuda:1", HostFacts(AVX2, True, "12.8", cuda_devices=2)).value == "cuda:1"

@@ -277,3 +277,118 @@ def test_humaneval_run_shows_prompts_and_matches_the_schema(tiny_model_dir, tmp_
     problem = load_humaneval().problems[1]
     assert "HumanEval/1 sample 0" in text and "HumanEval/0" not in text
     assert "\n".join("  | " + line for line in problem.prompt.rstrip("\n").split("\n")) in text
+
+
+# --- edges found in review --------------------------------------------------------------------------
+def test_a_run_killed_after_its_last_flush_is_finalized_without_a_model(tiny_model_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    out = tmp_path / "run"
+    assert _mmlu(tiny_model_dir, out, "--limit", "1") == 0
+    for name in ("samples.parquet", "summary.json", "summary.parquet"):
+        (out / name).unlink()
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
+    monkeypatch.setattr(Model, "load", classmethod(lambda cls, *a, **k: pytest.fail("loaded a model")))
+    assert _mmlu(tiny_model_dir, out, "--limit", "1") == 0
+    assert f"{SUBJECTS} of {SUBJECTS} questions already done" in capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["status"] == "finalized"
+    assert len(pd.read_parquet(out / "samples.parquet")) == SUBJECTS and (out / "summary.json").is_file()
+
+
+def test_overwrite_still_refuses_a_folder_that_is_not_a_run(tiny_model_dir, tmp_path, capsys, no_model_load):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "important.txt").write_text("keep")
+    assert _mmlu(tiny_model_dir, mine, "--limit", "1", "--overwrite") == 2
+    assert "not empty and has no manifest.json" in capsys.readouterr().err
+    assert (mine / "important.txt").read_text() == "keep"
+
+
+def test_a_run_in_use_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    import fcntl
+    import os
+    out = tmp_path / "run"
+    assert _mmlu(tiny_model_dir, out, "--limit", "1") == 0
+    fd = os.open(out / ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        capsys.readouterr()
+        assert _mmlu(tiny_model_dir, out, "--limit", "2") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "in use by another evalrun process" in err
+    finally:
+        os.close(fd)
+
+
+def test_a_subject_named_twice_counts_once(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    assert _mmlu(tiny_model_dir, out, "--limit", "2", "--subjects", "nutrition,nutrition") == 0
+    assert json.loads((out / "summary.json").read_text())["n"] == 2
+
+
+def test_a_run_of_an_older_schema_is_refused_with_the_reason(tiny_model_dir, tmp_path, capsys, no_model_load):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"identity": {"task": "mmlu"}, "schema_version": 1,
+                                                   "key_columns": ["subject", "doc_id"]}))
+    assert _mmlu(tiny_model_dir, out, "--limit", "1") == 2
+    assert "written by another evalrun version (run schema 1" in capsys.readouterr().err
+
+
+def test_show_on_a_damaged_run_gives_one_line(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _mmlu(tiny_model_dir, out, "--limit", "1") == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "key_columns": ["task_id"]}))
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its sample rows cannot be read" in err
+    (out / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "key_columns"}))
+    assert main(["show", str(out)]) == 2
+    assert 'no "key_columns" list' in capsys.readouterr().err
+
+
+def test_hub_failures_are_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch, no_model_load):
+    import datasets
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'cais/mmlu' on the Hub (OfflineModeIsEnabled)")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert main(["mmlu", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not load cais/mmlu from the Hugging Face hub" in err and "--data-dir" in err
+    assert main(["humaneval", "--hub", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "h")]) == 2
+    assert "could not load openai_humaneval" in capsys.readouterr().err
+
+
+def test_csv_layout_with_a_bom_and_blank_lines_reads_like_parquet(tmp_path):
+    import csv
+    data = load_mmlu(FIXTURE)
+    for split, docs in (("dev", data.dev), ("test", data.test)):
+        (tmp_path / split).mkdir()
+        for subject, items in docs.items():
+            with open(tmp_path / split / f"{subject}_{split}.csv", "w", newline="", encoding="utf-8-sig") as f:
+                writer = csv.writer(f)
+                for d in items:
+                    writer.writerow([d.question, *d.choices, "ABCD"[d.answer]])
+                f.write("\r\n")                                   # a trailing blank line
+    csv_data = load_mmlu(tmp_path)
+    assert csv_data.test == data.test and csv_data.dev == data.dev
+
+
+def test_score_samples_rerun_changes_nothing(tmp_path, capsys):
+    from tasks.humaneval_data import load_humaneval
+    problems = load_humaneval().problems[:2]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"task_id": p.task_id, "completion": p.canonical_solution}) + "\n"
+                               for p in problems))
+    out = tmp_path / "scored"
+    args = ["humaneval", "--no-progress", "--limit", "2", "--score-samples", str(samples), "--output-dir", str(out)]
+    assert main(args) == 0
+    before = _tree(out)
+    capsys.readouterr()
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "2 of 2 samples already scored" in captured.err and "pass@1" in captured.out
+    assert _tree(out) == before
