@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tasks.mmlu import MMLUTask, build_prompt
-from tasks.mmlu_data import LETTERS, MMLUDoc, load_mmlu
+from tasks.mmlu_data import MMLUDoc, load_mmlu
 from tasks.mmlu_groups import GROUP_DISPLAY_NAME, GROUPS, SUBJECT_GROUP, group_of
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
