@@ -45,9 +45,10 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "samples",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
     todo = pending(run)
+
     def report(rows: list[dict], per: list[dict], overall: dict, tp: Optional[dict], out: Path) -> None:
-        sandbox = (run.stored if tp is None else run.manifest) or {}
-        _finish(args, rows, overall, out, sandbox.get("sandbox", {}).get("level"), tp)
+        sandbox = run.manifest.get("sandbox") or (run.stored or {}).get("sandbox") or {}   # this session's, or stored
+        _finish(args, rows, overall, out, sandbox.get("level"), tp)
 
     if todo.nothing_left:
         return report_stored(run, todo, report)

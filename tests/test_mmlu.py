@@ -74,12 +74,17 @@ def _samples(out: Path) -> pd.DataFrame:
     return pd.read_parquet(out / "samples.parquet")
 
 
+def _two_per_subject(model: Path, data_dir: Path, out: Path, subjects: int) -> pd.DataFrame:
+    """`evalrun mmlu --limit 2` on every subject of data_dir: one row per question, none twice."""
+    assert _cli("--model", str(model), "--data-dir", str(data_dir), "--limit", "2", "--output-dir", str(out)) == 0
+    df = _samples(out)
+    assert len(df) == subjects * 2 and df[["subject", "doc_id"]].duplicated().sum() == 0
+    return df
+
+
 def test_all_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--limit", "2",
-                "--output-dir", str(out)) == 0
-    df = _samples(out)
-    assert len(df) == 5 * 2 and df[["subject", "doc_id"]].duplicated().sum() == 0
+    df = _two_per_subject(tiny_model_dir, FIXTURE, out, 5)
     assert {"run_id", "task", "subject", "doc_id", "prompt_hash", "prompt_tokens", "cached_tokens",
             "num_fewshot_used", "target", "prediction", "correct", "choice_logprobs", "cache_mode"} <= set(df.columns)
     assert (df.cached_tokens > 0).mean() >= 0.45                     # the second question of a subject hits
@@ -91,11 +96,7 @@ def test_all_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
 
 @needs_full
 def test_full_57_subjects_from_cli(tiny_model_dir, tmp_path, capsys):
-    out = tmp_path / "run"
-    assert _cli("--model", str(tiny_model_dir), "--data-dir", str(FULL), "--limit", "2",
-                "--output-dir", str(out)) == 0
-    df = _samples(out)
-    assert len(df) == 57 * 2 and df[["subject", "doc_id"]].duplicated().sum() == 0
+    df = _two_per_subject(tiny_model_dir, FULL, tmp_path / "run", 57)
     assert sorted(df.subject.unique()) == sorted(load_mmlu(FULL).test)
     assert "overall" in capsys.readouterr().out
 
