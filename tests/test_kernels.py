@@ -1,4 +1,5 @@
-"""Paged attention and cache ops vs a dense, naive attention over contiguous K/V."""
+"""Paged attention and cache ops vs a dense, naive attention over contiguous K/V (float
+formats; the quantized formats are checked in test_kv_quant.py)."""
 from __future__ import annotations
 
 import math
@@ -6,10 +7,13 @@ import math
 import pytest
 import torch
 
-from kernels.attention import build_metadata, paged_attention, paged_attention_torch
-from kernels.cache_ops import copy_page_prefix, write_kv
+from kernels.attention import build_metadata, paged_attention_torch
+from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
+from kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
+from kernels.kv_format import KV_FORMATS, LayerKV
 
 HQ, HKV, D = 6, 2, 16
+CPU = torch.device("cpu")
 
 
 def _naive(q, k, v, scale):
@@ -25,20 +29,19 @@ def _naive(q, k, v, scale):
 
 
 def _scatter(contexts, page_size, num_pages, g):
-    """Place each context's K/V on random distinct pages of a NaN-filled cache."""
-    k_cache = torch.full((num_pages + 1, page_size, HKV, D), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    k_cache[num_pages] = 0
-    v_cache[num_pages] = 0
+    """Place each context's K/V on random distinct pages of a NaN-filled fp32 cache."""
+    layer = LayerKV.allocate(KV_FORMATS["fp32"], num_pages + 1, page_size, HKV, D, CPU)
+    layer.k[:num_pages] = float("nan")
+    layer.v[:num_pages] = float("nan")
     perm = torch.randperm(num_pages, generator=g).tolist()
     tables = []
     for k, v in contexts:
         n_pages = -(-k.shape[0] // page_size)
         pages, perm = perm[:n_pages], perm[n_pages:]
         slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(k.shape[0])])
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv(k, v, layer, slots)
         tables.append(pages)
-    return k_cache, v_cache, tables
+    return layer, tables
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -47,23 +50,24 @@ def test_paged_attention_matches_dense(page_size):
     q_lens = [1, 1, 1, 7, 20, 33, 1]        # decode group first, then prefill chunks (and a 1-token chunk)
     k_lens = [1, 9, 40, 7, 45, 33, 5]
     contexts = [(torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)) for n in k_lens]
-    k_cache, v_cache, tables = _scatter(contexts, page_size, 64, g)
+    layer, tables = _scatter(contexts, page_size, 64, g)
     q = torch.randn(sum(q_lens), HQ, D, generator=g)
-    meta = build_metadata(q_lens, k_lens, tables, page_size, null_page=64, device=torch.device("cpu"))
+    meta = build_metadata(q_lens, k_lens, tables, page_size, null_page=64, device=CPU)
     assert meta.num_decode == 3
-    out = paged_attention_torch(q, k_cache, v_cache, meta, D ** -0.5)
+    out = paged_attention_torch(q, layer, meta, D ** -0.5)
     assert torch.isfinite(out).all()
     start = 0
     for (k, v), qn in zip(contexts, q_lens):
         ref = _naive(q[start:start + qn], k, v, D ** -0.5)
         torch.testing.assert_close(out[start:start + qn].double(), ref, atol=1e-5, rtol=1e-5)
         start += qn
-    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, meta, D ** -0.5), out)
+    for kernels in (TorchKernels(), NativeCpuKernels(), choose_kernels("cpu")):   # every dispatch
+        torch.testing.assert_close(kernels.attention(q, layer, meta, D ** -0.5), out, atol=2e-6, rtol=1e-5)
 
 
 def test_metadata_layout_matches_flash_attn_conventions():
     meta = build_metadata([1, 3, 5], [10, 3, 8], [[2, 0], [1], [3, 4]], 8, null_page=9,
-                          device=torch.device("cpu"))
+                          device=CPU)
     assert meta.cu_seqlens_q.tolist() == [0, 1, 4, 9]
     assert meta.cu_seqlens_k.tolist() == [0, 10, 13, 21]
     assert meta.page_table.dtype == torch.int32
@@ -72,23 +76,28 @@ def test_metadata_layout_matches_flash_attn_conventions():
 
 
 def test_copy_page_prefix_copies_only_the_prefix():
-    caches = [torch.randn(4, 8, HKV, D) for _ in range(3)]
-    before = [c.clone() for c in caches]
-    copy_page_prefix(caches, src_page=1, dst_page=3, num_tokens=5)
-    for c, b in zip(caches, before):
-        torch.testing.assert_close(c[3, :5], b[1, :5])
-        torch.testing.assert_close(c[3, 5:], b[3, 5:])
-        torch.testing.assert_close(c[:3], b[:3])
+    layers = [LayerKV(KV_FORMATS["fp32"], torch.randn(4, 8, HKV, D), torch.randn(4, 8, HKV, D))
+              for _ in range(3)]
+    before = [[t.clone() for t in layer.tensors()] for layer in layers]
+    copy_page_prefix(layers, src_page=1, dst_page=3, num_tokens=5)
+    for layer, old in zip(layers, before):
+        for t, b in zip(layer.tensors(), old):
+            torch.testing.assert_close(t[3, :5], b[1, :5])
+            torch.testing.assert_close(t[3, 5:], b[3, 5:])
+            torch.testing.assert_close(t[:3], b[:3])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_write_kv_casts_to_storage_dtype(dtype):
-    k_cache = torch.zeros(3, 4, HKV, D, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+@pytest.mark.parametrize("mode,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_write_kv_casts_to_storage_dtype(mode, dtype):
+    layer = LayerKV.allocate(KV_FORMATS[mode], 3, 4, HKV, D, CPU)
+    assert layer.k.dtype == layer.v.dtype == dtype and layer.k_scale is None
     k, v = torch.randn(2, HKV, D), torch.randn(2, HKV, D)
-    write_kv(k, v, k_cache, v_cache, torch.tensor([5, 0]))
-    torch.testing.assert_close(k_cache[1, 1], k[0].to(dtype))
-    torch.testing.assert_close(v_cache[0, 0], v[1].to(dtype))
+    write_kv(k, v, layer, torch.tensor([5, 0]))
+    torch.testing.assert_close(layer.k[1, 1], k[0].to(dtype))
+    torch.testing.assert_close(layer.v[0, 0], v[1].to(dtype))
+    gk, gv = gather_kv(layer, torch.tensor([5, 0]), torch.float32)       # [2, Hkv, D]
+    torch.testing.assert_close(gk, k.to(dtype).float())
+    torch.testing.assert_close(gv, v.to(dtype).float())
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300, 2048])
