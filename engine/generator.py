@@ -124,7 +124,8 @@ class DynamicGenerator:
     def stats(self) -> GeneratorStats:
         pool = self.cache.pool
         return GeneratorStats(**self.counters, pages_total=pool.num_pages,
-                              pages_in_use=pool.num_in_use, pages_cached=len(pool.cached))
+                              pages_in_use=pool.num_in_use, pages_cached=len(pool.cached),
+                              pages_evicted=pool.num_evicted)
 
     def defragment(self) -> None:
         """Pack cached pages to the lowest page ids; runs automatically when idle."""

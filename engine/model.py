@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionMetadata, decode_backend, paged_attention
-from kernels.cache_ops import write_kv
+from kernels.attention import AttentionMetadata
+from kernels.backend import TorchKernels, choose_kernels
 from kernels.linear import Linear, linear, linear_backend, make_linear
 
 from .config import ModelConfig
@@ -31,9 +31,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def kernel_backends(device: str, dtype: str, cache_mode: str) -> dict[str, str]:
     """Which kernels a model with these settings runs (recorded in run manifests)."""
     from .cache import CACHE_MODES
-    return {"linear": linear_backend(device, DTYPES[dtype]),
-            "decode_attention": decode_backend(device, CACHE_MODES[cache_mode]),
-            "prefill_attention": "torch-sdpa"}
+    kernels = choose_kernels(device)
+    return {"linear": linear_backend(device, DTYPES[dtype]), "backend": kernels.name,
+            **kernels.describe(CACHE_MODES[cache_mode])}
 
 
 @dataclass
@@ -57,8 +57,10 @@ class LayerWeights:
 
 class Model:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device):
+                 final_norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device,
+                 kernels: Optional[TorchKernels] = None):
         self.config = config
+        self.kernels = kernels or choose_kernels(device)   # every cache op goes through this backend
         self.dtype = dtype
         self.device = device
         self.embed = embed
@@ -70,9 +72,11 @@ class Model:
         self.rope_sin = sin.to(device)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> "Model":
+    def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu",
+             kernels: Optional[TorchKernels] = None) -> "Model":
         """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
-        dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (engine/auto.py)."""
+        dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (engine/auto.py).
+        kernels: the cache-op backend (default: chosen for the device, kernels.backend)."""
         if dtype == "auto":
             from .auto import choose_dtype, host_facts
             dtype = choose_dtype("auto", device, host_facts()).value
@@ -83,7 +87,7 @@ class Model:
         model_dir = Path(model_dir)
         config = ModelConfig.load(model_dir)
         reader = WeightReader(model_dir, DTYPES[dtype], torch.device(device))
-        return _build(config, reader, DTYPES[dtype], torch.device(device))
+        return _build(config, reader, DTYPES[dtype], torch.device(device), kernels)
 
     @property
     def max_seq_len(self) -> int:
@@ -117,13 +121,14 @@ class Model:
                         cos, sin)                                          # q and k heads at once
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
-        k_cache, v_cache = cache.layer(i)
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
+        kv = cache.layer(i)
+        self.kernels.write_kv(k, v, kv, batch.slot_mapping)
+        o = self.kernels.attention(q, kv, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
         return linear(o.reshape(t, q_size), layer.wo, residual=x)
 
 
-def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device) -> Model:
+def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device,
+           kernels: Optional[TorchKernels]) -> Model:
     h, d = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
     layers = []
@@ -151,4 +156,4 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
     final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
-    return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device)
+    return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device, kernels)

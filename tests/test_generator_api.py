@@ -24,13 +24,14 @@ REPLACEMENT_CHAR = "\ufffd"
 class Engine:
     """A loaded model + tokenizer; `generator()` gives a fresh generator over a NaN-poisoned cache."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, mode: str = "fp32"):
         self.dir = model_dir
         self.model = Model.load(model_dir, dtype="float32")
         self.tokenizer = Tokenizer.load(model_dir)
+        self.mode = mode
 
     def generator(self, page_size: int = 16, max_tokens: int = 4096, **kwargs: Any) -> DynamicGenerator:
-        cache = PagedCache(self.model, max_tokens=max_tokens, page_size=page_size, mode="fp32")
+        cache = PagedCache(self.model, max_tokens=max_tokens, page_size=page_size, mode=self.mode)
         cache.fill_unused()
         return DynamicGenerator(self.model, cache, self.tokenizer, **kwargs)
 
@@ -111,6 +112,22 @@ def check_stop_string(engine: Engine, prompt: str, max_new_tokens: int) -> None:
 
 def test_stop_string_across_token_boundaries_tiny(tiny: Engine) -> None:
     check_stop_string(tiny, "The capital of France is", 16)
+
+
+@pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
+def test_stop_conditions_per_quantized_cache_mode(tiny_kv32_dir: Path, mode: str) -> None:
+    """Stop strings across token boundaries and stop tokens with min_new_tokens, in a quantized
+    cache: the reference is the same mode's own greedy run without stops."""
+    engine = Engine(tiny_kv32_dir, mode)
+    check_stop_string(engine, "The capital of France is", 16)
+    prompt = engine.tokenizer.encode("The capital of France is")
+    ids, _ = greedy(engine, "The capital of France is", 8)
+    jobs = [DynamicJob(prompt, 8, 0, stop_conditions=[ids[3]], identifier="fourth"),
+            DynamicJob(prompt, 8, 2, stop_conditions=[ids[0]], identifier="banned")]
+    got = run(engine.generator(), jobs)
+    cut = ids.index(ids[3]) + 1
+    assert token_ids(got["fourth"]) == ids[:cut] and got["fourth"][-1]["eos_reason"] == "stop_token"
+    assert ids[0] not in token_ids(got["banned"])[:2]
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
+from engine_helpers import CACHE_MODES, greedy_jobs, make_generator, random_prompts, run_jobs
 from transformers import AutoModelForCausalLM
 
 from engine import Model, Tokenizer
@@ -54,6 +54,29 @@ def test_tiny_model_batched_equals_single_and_transformers(tiny_model_dir):
         single = run_jobs(make_generator(model, max_tokens=1024), greedy_jobs([p], n_new))[0]
         assert batched[i]["all_token_ids"] == single["all_token_ids"]
         assert batched[i]["all_token_ids"] == _reference_greedy(ref, p, n_new)
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_tiny_model_batched_equals_single_per_cache_mode(tiny_kv32_dir, mode):
+    """In every cache mode, batched + paged + deduplicated greedy generation gives the tokens
+    and logits of the same mode run one job at a time (the reference of a quantized cache:
+    there is no transformers equivalent); fp32 also matches transformers."""
+    model = Model.load(tiny_kv32_dir, dtype="float32")
+    shared = random_prompts(1, [40], model.config.vocab_size, seed=1)[0]
+    prompts = random_prompts(12, [5, 17, 33, 48], model.config.vocab_size, seed=0)
+    prompts += [shared + p[:9] for p in prompts[:6]]                 # shared prefixes (dedup)
+    n_new = 12
+    gen = make_generator(model, max_tokens=16 * 20, mode=mode)
+    batched = run_jobs(gen, greedy_jobs(prompts, n_new, return_logits=True))
+    assert gen.stats()["cached_tokens"] > 0 and gen.stats()["peak_batch_size"] > 1
+    single_gen = make_generator(model, max_tokens=1024, mode=mode)
+    for i, p in enumerate(prompts):
+        single = run_jobs(single_gen, greedy_jobs([p], n_new, return_logits=True))[0]
+        assert batched[i]["all_token_ids"] == single["all_token_ids"], (mode, i)
+        torch.testing.assert_close(batched[i]["all_logits"], single["all_logits"], atol=2e-5, rtol=0)
+    if mode == "fp32":
+        ref = AutoModelForCausalLM.from_pretrained(tiny_kv32_dir, dtype=torch.float32).eval()
+        assert all(batched[i]["all_token_ids"] == _reference_greedy(ref, p, n_new) for i, p in enumerate(prompts))
 
 
 @pytest.mark.slow

@@ -266,10 +266,6 @@ def _mismatched(layer: LayerKV, case: str) -> LayerKV:
             "code-width": lambda: LayerKV(KV_FORMATS["q8"], k, v, ks, vs)}[case]()
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/paged_decode.py supported() checks K's shape only: V, the "
-                                       "scales and the code width are not checked against it, so the C "
-                                       "kernel would read past them (the old decode_native_supported "
-                                       "refused K/V shapes that differ)")
 @pytest.mark.parametrize("mode,case", [("fp32", "v-head-size"), ("fp32", "v-kv-heads"), ("fp32", "v-pages"),
                                        ("q4", "v-head-size"), ("q4", "scale-groups"), ("q4", "code-width")])
 def test_inconsistent_layer_is_not_supported(mode, case):

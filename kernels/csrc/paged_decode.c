@@ -1,35 +1,50 @@
 /* Paged decode attention on the CPU: one query token per sequence, read straight from
  * the pages (no gathered copy of the context), GQA, float32 math.
  *
- * Layouts (as kernels/attention.py):
- *   q           [B, Hq, D]          float32
- *   k_cache     [P + 1, S, Hkv, D]  float32 or bfloat16 (uint16 bit patterns)
- *   v_cache     [P + 1, S, Hkv, D]
+ * Layouts (as kernels/kv_format.py and kernels/attention.py):
+ *   q           [B, Hq, D]          float32, in the attention domain (rotated for rotating
+ *                                   formats; the caller rotates q in and the output out)
+ *   k_cache     [P + 1, S, Hkv, W]  by kind: 0 float32, 1 bfloat16, 2 float16 (W = D);
+ *   v_cache                         3 8-bit codes (W = D, value c - 128), 4 4-bit codes
+ *                                   (W = D / 2, byte j of a group of G: element j in the low
+ *                                   nibble, element j + G/2 in the high one; value c - 8)
+ *   k_scale     [P + 1, S, Hkv, D / G] float16 scales of the code kinds (else unused)
+ *   v_scale
  *   page_table  [B, max_pages]      int32
  *   seq_lens    [B]                 int32 context length (the new token included)
  *   out         [B, Hq, D]          float32
  *   scratch     [nthreads, SCRATCH(Hq, Hkv, D, lmax)] float32, lmax >= max(seq_lens):
- *               per thread the scores [Hq, lmax], the V sums [Hq, D], a converted slot
- *               row [Hkv, D] and the softmax normalisers [Hq] (heap, not thread stacks)
+ *               per thread the scores [Hq, lmax], the V sums [Hq, D], up to 64 converted
+ *               head rows [64, D] and the softmax normalisers [Hq] (heap, not thread stacks)
+ *
+ * Codes are dequantized a block of head rows at a time into that small buffer, which
+ * stays in L1: the context is never copied, so a 4-bit cache moves about a quarter
+ * of the bytes of a 16-bit one through attention.
  *
  * Work is split over sequences, claimed one at a time by the threads; a sequence's query
  * heads are scored against every key (exact two-pass softmax), then V is summed with
  * those weights.
- * The torch reference is kernels.attention._decode.
+ * The torch reference is kernels.attention.decode_torch.
  */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_Q8 = 3, KIND_Q4 = 4 };
 
 /* Floats of scratch per thread; kernels/attention.py allocates nthreads times this. */
-#define SCRATCH(Hq, Hkv, D, lmax) ((int64_t)(Hq) * (lmax) + (int64_t)(Hq) * (D) + (int64_t)(Hkv) * (D) + (Hq))
+#define SCRATCH(Hq, Hkv, D, lmax) ((int64_t)(Hq) * (lmax) + (int64_t)(Hq) * (D) + 64 * (int64_t)(D) + (Hq))
 
 typedef struct {
     const float *q;
     const void *k, *v;
-    int bf16;
+    const uint16_t *k_scale, *v_scale;
+    int k_kind, v_kind, G;
     const int32_t *page_table;
     int max_pages;
     const int32_t *seq_lens;
@@ -49,19 +64,165 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-/* Slot `slot` of a cache (all Hkv heads, W = Hkv * D values) as float32: a pointer into
- * the cache, or converted into buf. */
-static inline const float *load_slot(const void *cache, int bf16, int64_t slot, int W, float *buf) {
-    if (!bf16) return (const float *)cache + slot * W;
-    const uint16_t *src = (const uint16_t *)cache + slot * W;
-    for (int i = 0; i < W; i++) buf[i] = bf16_to_f32(src[i]);
-    return buf;
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {                                  /* zero or subnormal: m * 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    bits = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
 }
 
-/* One sequence: every query head against the whole context, reading each slot's row of
- * all heads once and in page order (sequential memory, which the prefetcher follows). */
+/* Head h of slot `slot` (D values) as float32: a pointer into the cache, or converted /
+ * dequantized into buf. Row strides: W = Hkv * D values per slot (codes: W or W / 2 bytes,
+ * W / G scales). */
+static inline const float *load_head(const void *cache, const uint16_t *scales, int kind, int G,
+                                     int64_t slot, int h, int D, int W, float *buf) {
+    switch (kind) {
+    case KIND_F32:
+        return (const float *)cache + slot * W + (int64_t)h * D;
+    case KIND_BF16: {
+        const uint16_t *src = (const uint16_t *)cache + slot * W + (int64_t)h * D;
+        int i = 0;
+#if defined(__AVX2__)
+        for (; i + 8 <= D; i += 8)                 /* bf16 bits are the top half of a float's */
+            _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i))), 16)));
+#endif
+        for (; i < D; i++) buf[i] = bf16_to_f32(src[i]);
+        return buf;
+    }
+    case KIND_F16: {
+        const uint16_t *src = (const uint16_t *)cache + slot * W + (int64_t)h * D;
+        int i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= D; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+        for (; i < D; i++) buf[i] = f16_to_f32(src[i]);
+        return buf;
+    }
+    case KIND_Q8: {
+        const uint8_t *c = (const uint8_t *)cache + slot * W + (int64_t)h * D;
+        const uint16_t *sc = scales + slot * (W / G) + (int64_t)h * (D / G);
+        for (int g = 0; g < D / G; g++) {
+            const float s = f16_to_f32(sc[g]);
+            const uint8_t *cg = c + g * G;
+            float *bg = buf + g * G;
+            int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(-128.0f * s);
+            for (; j + 8 <= G; j += 8) {           /* (c - 128) * s = c * s - 128 s */
+                const __m256 cf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cg + j))));
+                _mm256_storeu_ps(bg + j, _mm256_fmadd_ps(cf, vs, vz));
+            }
+#endif
+            for (; j < G; j++) bg[j] = (float)((int)cg[j] - 128) * s;
+        }
+        return buf;
+    }
+    default: {                                     /* KIND_Q4: byte j = element j | element j + G/2 */
+        const uint8_t *c = (const uint8_t *)cache + slot * (W / 2) + (int64_t)h * (D / 2);
+        const uint16_t *sc = scales + slot * (W / G) + (int64_t)h * (D / G);
+        const int half = G / 2;
+        for (int g = 0; g < D / G; g++) {
+            const float s = f16_to_f32(sc[g]);
+            const uint8_t *cg = c + g * half;
+            float *bg = buf + g * G;
+            int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(-8.0f * s);
+            const __m128i low = _mm_set1_epi8(15);
+            for (; j + 8 <= half; j += 8) {        /* 8 bytes: 8 low and 8 high codes */
+                const __m128i bytes = _mm_loadl_epi64((const __m128i *)(cg + j));
+                const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                _mm256_storeu_ps(bg + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vz));
+                _mm256_storeu_ps(bg + half + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vz));
+            }
+#endif
+            for (; j < half; j++) {
+                bg[j] = (float)((int)(cg[j] & 15) - 8) * s;
+                bg[half + j] = (float)((int)(cg[j] >> 4) - 8) * s;
+            }
+        }
+        return buf;
+    }
+    }
+}
+
+#define BLOCK 8                    /* keys scored together */
+#define VBLOCK 64                  /* values summed per pass over the accumulators */
+
+/* out[p] = q . k[p] for the n <= BLOCK keys of a block. */
+static inline void dots(const float *q, const float *const *k, int n, int D, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n == BLOCK && D % 8 == 0) {               /* 8 independent chains, one 8-way reduction */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
+            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
+            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
+            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+        }
+        const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                                            _mm256_permute2f128_ps(s0, s1, 0x31)));
+        return;
+    }
+#endif
+    for (int p = 0; p < n; p++) {
+        float s = 0.0f;
+        #pragma omp simd reduction(+:s)
+        for (int d = 0; d < D; d++) s += q[d] * k[p][d];
+        out[p] = s;
+    }
+}
+
+/* acc[D] += sum over the n values of a block of w[p] * v[p]. */
+static inline void axpys(float *acc, const float *w, const float *const *v, int n, int D) {
+    int d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d0 + 32 <= D; d0 += 32) {              /* four accumulators held in registers */
+        __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d0 + 16), a3 = _mm256_loadu_ps(acc + d0 + 24);
+        for (int p = 0; p < n; p++) {
+            const __m256 wb = _mm256_set1_ps(w[p]);
+            const float *vp = v[p] + d0;
+            a0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp), a0);
+            a1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8), a1);
+            a2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 16), a2);
+            a3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d0, a0);
+        _mm256_storeu_ps(acc + d0 + 8, a1);
+        _mm256_storeu_ps(acc + d0 + 16, a2);
+        _mm256_storeu_ps(acc + d0 + 24, a3);
+    }
+#endif
+    for (int p = 0; p < n; p++) {
+        const float wp = w[p];
+        #pragma omp simd
+        for (int d = d0; d < D; d++) acc[d] += wp * v[p][d];
+    }
+}
+
+/* One sequence, one KV head at a time: its Gq query heads scored against every key, an
+ * exact two-pass softmax, then the values summed with those weights. Keys and values are
+ * read once per KV head, in page order (sequential memory, which the prefetcher follows). */
 static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *acc, float *inv_sum) {
-    const int Hq = a->Hq, Hkv = a->Hkv, G = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
+    const int Hq = a->Hq, Hkv = a->Hkv, Gq = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
     const int L = a->seq_lens[b];
     const int64_t lmax = a->lmax;
     const float *q = a->q + (int64_t)b * Hq * D;
@@ -71,32 +232,40 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         return;
     }
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
-    for (int pos = 0; pos < L; pos++) {
-        const float *k = load_slot(a->k, a->bf16, (int64_t)pages[pos / S] * S + pos % S, W, rowbuf);
-        for (int hq = 0; hq < Hq; hq++) {
-            const float *qh = q + (int64_t)hq * D, *kh = k + (int64_t)(hq / G) * D;
-            float s = 0.0f;
-            #pragma omp simd reduction(+:s)
-            for (int d = 0; d < D; d++) s += qh[d] * kh[d];
-            scores[hq * lmax + pos] = s * a->scale;
+    const float *rows[VBLOCK];
+    for (int h = 0; h < Hkv; h++) {
+        for (int p0 = 0; p0 < L; p0 += BLOCK) {
+            const int n = L - p0 < BLOCK ? L - p0 : BLOCK;
+            for (int p = 0; p < n; p++) {
+                const int pos = p0 + p;
+                rows[p] = load_head(a->k, a->k_scale, a->k_kind, a->G, (int64_t)pages[pos / S] * S + pos % S,
+                                    h, D, W, rowbuf + (int64_t)p * D);
+            }
+            for (int g = 0; g < Gq; g++) {
+                const int hq = h * Gq + g;
+                dots(q + (int64_t)hq * D, rows, n, D, scores + hq * lmax + p0);
+            }
         }
-    }
-    for (int hq = 0; hq < Hq; hq++) {
-        float *sh = scores + hq * lmax;
-        float m = -INFINITY, sum = 0.0f;
-        for (int pos = 0; pos < L; pos++) m = sh[pos] > m ? sh[pos] : m;
-        for (int pos = 0; pos < L; pos++) { sh[pos] = expf(sh[pos] - m); sum += sh[pos]; }
-        inv_sum[hq] = 1.0f / sum;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)Hq * D);
-    for (int pos = 0; pos < L; pos++) {
-        const float *v = load_slot(a->v, a->bf16, (int64_t)pages[pos / S] * S + pos % S, W, rowbuf);
-        for (int hq = 0; hq < Hq; hq++) {
-            const float w = scores[hq * lmax + pos];
-            const float *vh = v + (int64_t)(hq / G) * D;
-            float *ah = acc + (int64_t)hq * D;
-            #pragma omp simd
-            for (int d = 0; d < D; d++) ah[d] += w * vh[d];
+        for (int g = 0; g < Gq; g++) {
+            const int hq = h * Gq + g;
+            float *sh = scores + hq * lmax;
+            float m = -INFINITY, sum = 0.0f;
+            for (int pos = 0; pos < L; pos++) { sh[pos] *= a->scale; m = sh[pos] > m ? sh[pos] : m; }
+            for (int pos = 0; pos < L; pos++) { sh[pos] = expf(sh[pos] - m); sum += sh[pos]; }
+            inv_sum[hq] = 1.0f / sum;
+            memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
+        }
+        for (int p0 = 0; p0 < L; p0 += VBLOCK) {
+            const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK;
+            for (int p = 0; p < n; p++) {
+                const int pos = p0 + p;
+                rows[p] = load_head(a->v, a->v_scale, a->v_kind, a->G, (int64_t)pages[pos / S] * S + pos % S,
+                                    h, D, W, rowbuf + (int64_t)p * D);
+            }
+            for (int g = 0; g < Gq; g++) {
+                const int hq = h * Gq + g;
+                axpys(acc + (int64_t)hq * D, scores + hq * lmax + p0, rows, n, D);
+            }
         }
     }
     for (int hq = 0; hq < Hq; hq++)
@@ -108,7 +277,7 @@ static void *worker(void *p) {
     float *scores = a->scratch + (int64_t)a->tid * SCRATCH(a->Hq, a->Hkv, a->D, a->lmax);
     float *acc = scores + (int64_t)a->Hq * a->lmax;
     float *rowbuf = acc + (int64_t)a->Hq * a->D;
-    float *inv_sum = rowbuf + (int64_t)a->Hkv * a->D;
+    float *inv_sum = rowbuf + 64 * (int64_t)a->D;
     for (int b = atomic_fetch_add(a->next_task, 1); b < a->B; b = atomic_fetch_add(a->next_task, 1))
         sequence(a, b, scores, rowbuf, acc, inv_sum);
     return NULL;
@@ -116,18 +285,25 @@ static void *worker(void *p) {
 
 /* Returns 0 on success, 1 on shapes it cannot take. The caller checks page ids and
  * lengths against the cache and the table (kernels/attention.py). */
-int paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16,
+int paged_decode(const float *q, const void *k_cache, const void *v_cache,
+                 const uint16_t *k_scale, const uint16_t *v_scale, int k_kind, int v_kind, int G,
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,
                  int B, int Hq, int Hkv, int D, int S, float scale, float *scratch, int lmax,
                  int nthreads) {
     if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1) return 1;
+    for (int i = 0; i < 2; i++) {
+        const int kind = i ? v_kind : k_kind;
+        const int quantized = kind == KIND_Q8 || kind == KIND_Q4;
+        if (kind < KIND_F32 || kind > KIND_Q4) return 1;
+        if (quantized && (G < 2 || G % 2 || D % G || !(i ? v_scale : k_scale))) return 1;
+    }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     Args args[64];
     pthread_t threads[64];
     atomic_int next_task = 0;
     for (int t = 0; t < nthreads; t++) {
-        args[t] = (Args){q, k_cache, v_cache, bf16, page_table, max_pages, seq_lens, out,
+        args[t] = (Args){q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens, out,
                          B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, t, &next_task};
     }
     int started = 0;

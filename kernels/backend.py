@@ -1,0 +1,57 @@
+"""Kernel backends: one is chosen when a model loads, and every cache op of that model goes
+through it with one signature, whatever the cache's KVFormat.
+
+    write_kv(k, v, layer, slot_mapping)          new tokens into their slots (quantize on write)
+    copy_page_prefix(layers, src, dst, n)        first n slots of a page, codes and scales together
+    attention(q, layer, meta, scale) -> out      prefill and decode of a packed batch
+
+`TorchKernels` is the reference (CPU and CUDA). `NativeCpuKernels` runs the decode group
+through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, the rest
+through the reference. A CUDA backend (Triton / flash-attn) slots in beside them.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import paged_decode
+from .attention import AttentionMetadata, attend
+from .cache_ops import copy_page_prefix_torch, write_kv_torch
+from .kv_format import KVFormat, LayerKV
+
+
+class TorchKernels:
+    name = "torch"
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+        write_kv_torch(k, v, layer, slot_mapping)
+
+    def copy_page_prefix(self, layers: list[LayerKV], src_page: int, dst_page: int, num_tokens: int) -> None:
+        copy_page_prefix_torch(layers, src_page, dst_page, num_tokens)
+
+    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return attend(q, layer, meta, scale)
+
+    def describe(self, fmt: KVFormat) -> dict[str, str]:
+        """Which implementation runs each op for a cache in `fmt` (recorded in run manifests)."""
+        return {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa"}
+
+
+class NativeCpuKernels(TorchKernels):
+    name = "native-cpu"
+
+    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        native = meta.num_decode and paged_decode.supported(q, layer)
+        return attend(q, layer, meta, scale, paged_decode.decode_native if native else None)
+
+    def describe(self, fmt: KVFormat) -> dict[str, str]:
+        out = super().describe(fmt)
+        if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
+            out["decode_attention"] = "native-c"
+        return out
+
+
+def choose_kernels(device: "str | torch.device") -> TorchKernels:
+    """The backend for a device: native CPU kernels when the C kernel builds, else the reference."""
+    if torch.device(device).type == "cpu" and paged_decode.available():
+        return NativeCpuKernels()
+    return TorchKernels()

@@ -1,0 +1,120 @@
+"""Native CPU paged decode attention (kernels/csrc/paged_decode.c), for every KVFormat.
+
+    q           [B, Hq, D]   one query per sequence, already in the attention domain
+                             (rotated for rotating formats: see kernels.attention.attend)
+    layer       LayerKV      read in place: floats converted, codes dequantized in registers
+                             one slot row at a time (no dequantized copy of the context)
+    page_table  [B, max_pages] int32, seq_lens [B] int32
+Same contract as the torch reference `kernels.attention.decode_torch`.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import native
+from .attention import AttentionMetadata, check_pages
+from .kv_format import LayerKV
+
+# storage kinds of paged_decode.c
+_FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CODE_KINDS = {8: 3, 4: 4}
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    lib = native.load("paged_decode")
+    if lib is not None and not getattr(lib, "_evalrun_typed", False):
+        ptr, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.paged_decode.restype = i32
+        lib.paged_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32,       # q, k, v, scales, kinds, group
+                                     ptr, i32, ptr, ptr,                            # table, width, lens, out
+                                     i32, i32, i32, i32, i32, ctypes.c_float,       # B, Hq, Hkv, D, S, scale
+                                     ptr, i32, i32]                                 # scratch, lmax, threads
+        lib._evalrun_typed = True
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _kinds(layer: LayerKV) -> Optional[tuple[int, int]]:
+    fmt = layer.fmt
+    if fmt.quantized:
+        return _CODE_KINDS[fmt.k_bits], _CODE_KINDS[fmt.v_bits]
+    kind = _FLOAT_KINDS.get(layer.k.dtype)
+    return None if kind is None or layer.v.dtype != layer.k.dtype else (kind, kind)
+
+
+def supported(q: torch.Tensor, layer: LayerKV) -> bool:
+    """CPU tensors, contiguous storage of a kind the kernel reads, a head size matching q's,
+    GQA-compatible head counts, and the kernel built."""
+    if q.dim() != 3 or layer.k.dim() != 4 or _kinds(layer) is None:
+        return False
+    hq, d = q.shape[1:]
+    hkv = layer.num_kv_heads
+    shapes_ok = hq >= 1 and hkv >= 1 and hq % hkv == 0 and layer.head_dim == d and d >= 1
+    if shapes_ok:                      # every tensor as the format lays out one cache of this shape
+        try:
+            want = layer.fmt.slot_shapes(hkv, d)
+        except ValueError:
+            return False
+        lead = tuple(layer.k.shape[:2])
+        got = {"k": layer.k, "v": layer.v, "k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        shapes_ok = all(got[name] is not None and tuple(got[name].shape) == (*lead, *shape)
+                        and got[name].dtype == dtype for name, (shape, dtype) in want.items())
+        shapes_ok = shapes_ok and all(got[name] is None for name in got if name not in want)
+    on_cpu = q.device.type == "cpu" and all(t.device.type == "cpu" for t in layer.tensors())
+    return shapes_ok and on_cpu and all(t.is_contiguous() for t in layer.tensors()) and available()
+
+
+def decode_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode group of a batch whose metadata build_metadata checked (a `DecodeFn`)."""
+    nd = meta.num_decode
+    return _call(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale)
+
+
+def paged_decode_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] in q's dtype, float32 math. Page ids and lengths are
+    checked against the cache and the table before the C code reads them."""
+    if not available():
+        raise RuntimeError("the native paged decode kernel is not available (see kernels.native)")
+    if not supported(q, layer):
+        raise ValueError(f"paged_decode_native cannot take q {tuple(q.shape)} {q.device} with a "
+                         f"{layer.fmt.name} cache of K {tuple(layer.k.shape)} {layer.k.dtype}")
+    b = q.shape[0]
+    if page_table.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match {b} sequences")
+    check_pages(page_table, seq_lens, layer.page_size, layer.k.shape[0] - 1)
+    return _call(q, layer, page_table, seq_lens, scale)
+
+
+def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
+          scale: float) -> torch.Tensor:
+    b, hq, d = q.shape
+    s, hkv = layer.page_size, layer.num_kv_heads
+    if b == 0:
+        return torch.empty(0, hq, d, dtype=q.dtype)
+    qf = q.float().contiguous()
+    table = page_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    lmax = max(1, int(lens.max()))
+    # a second thread pays for its start only with enough work (~2M multiply-adds per pass)
+    threads = 1 if b * lmax * hq * d < 2 ** 21 else max(1, min(torch.get_num_threads(), b, 64))
+    per_thread = hq * lmax + hq * d + 64 * d + hq          # SCRATCH() in paged_decode.c
+    scratch = torch.empty(threads * per_thread, dtype=torch.float32)
+    out = torch.empty(b, hq, d, dtype=torch.float32)
+    k_kind, v_kind = _kinds(layer)
+    ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
+    rc = _lib().paged_decode(qf.data_ptr(), layer.k.data_ptr(), layer.v.data_ptr(), ptr(layer.k_scale),
+                             ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size,
+                             table.data_ptr(), table.shape[1], lens.data_ptr(), out.data_ptr(),
+                             b, hq, hkv, d, s, scale, scratch.data_ptr(), lmax, threads)
+    if rc != 0:
+        raise ValueError(f"native paged decode does not support Hq={hq}, Hkv={hkv}, D={d}, "
+                         f"format {layer.fmt.name}")
+    return out.to(q.dtype)
