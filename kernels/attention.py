@@ -121,16 +121,18 @@ def _causal_mask(q_len: int, k_len: int, device: torch.device) -> Optional[torch
 
 
 DecodeFn = Callable[[torch.Tensor, LayerKV, AttentionMetadata, float], torch.Tensor]
+RotateFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-           decode: Optional[DecodeFn] = None) -> torch.Tensor:
+           decode: Optional[DecodeFn] = None, rotation: RotateFn = rotate) -> torch.Tensor:
     """Paged attention of every sequence of the batch, in q's dtype [T, Hq, D]: the decode
     group through `decode` (default: the torch reference), prefill sequences through SDPA
-    on their gathered context. Rotating formats: q rotated in, the output rotated out."""
+    on their gathered context. Rotating formats: q rotated in, the output rotated out
+    (with `rotation`, default the torch reference)."""
     fmt = layer.fmt
     if fmt.rotate:
-        q = rotate(q, fmt.group_size).to(q.dtype)
+        q = rotation(q, fmt.group_size).to(q.dtype)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
@@ -141,7 +143,7 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
                                            attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=True)
         out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
-    return rotate(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
+    return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
 
 
 def paged_attention_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:

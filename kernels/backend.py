@@ -6,14 +6,15 @@ through it with one signature, whatever the cache's KVFormat.
     attention(q, layer, meta, scale) -> out      prefill and decode of a packed batch
 
 `TorchKernels` is the reference (CPU and CUDA). `NativeCpuKernels` runs the decode group
-through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, the rest
-through the reference. A CUDA backend (Triton / flash-attn) slots in beside them.
+through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, quantize on
+write and the Hadamard rotations through kernels/csrc/kv_quant.c, the rest through the
+reference. A CUDA backend (Triton / flash-attn) slots in beside them.
 """
 from __future__ import annotations
 
 import torch
 
-from . import paged_decode
+from . import kv_quant_native, paged_decode
 from .attention import AttentionMetadata, attend
 from .cache_ops import copy_page_prefix_torch, write_kv_torch
 from .kv_format import KVFormat, LayerKV
@@ -39,14 +40,20 @@ class TorchKernels:
 class NativeCpuKernels(TorchKernels):
     name = "native-cpu"
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+        kv_quant_native.write_kv_native(k, v, layer, slot_mapping)
+
     def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         native = meta.num_decode and paged_decode.supported(q, layer)
-        return attend(q, layer, meta, scale, paged_decode.decode_native if native else None)
+        return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
+                      kv_quant_native.rotate_native)
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         out = super().describe(fmt)
         if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
             out["decode_attention"] = "native-c"
+        if fmt.quantized and kv_quant_native.available():
+            out["kv_write"] = "native-c"
         return out
 
 

@@ -338,3 +338,58 @@ def test_values_beyond_the_float16_scale_range_stay_finite(bits):
     x[0, 0], x[0, 1] = 65504.0 * QMAX[bits] * 1.5, 1.0
     codes, scales = quantize(x, bits, G, rotation=False)
     assert torch.isfinite(dequantize(codes, scales, bits, G)).all()
+
+
+# --- the native versions (kernels/csrc/kv_quant.c) against the torch references -----------
+
+
+def _need_native_quant():
+    from kernels import kv_quant_native
+    if not kv_quant_native.available():
+        pytest.skip("the native quantize kernel is not built here (no C compiler or native off)")
+    return kv_quant_native
+
+
+def test_native_rotation_is_the_reference_bit_for_bit_and_batch_invariant():
+    nq = _need_native_quant()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(257, 9, 64, generator=g) * 7
+    out = nq.rotate_native(x, G)
+    assert torch.equal(out, rotate(x, G))
+    assert torch.equal(out[100:101], nq.rotate_native(x[100:101], G))          # one row alone
+    assert torch.equal(nq.rotate_native(x.bfloat16(), G), rotate(x.bfloat16(), G))
+    assert torch.equal(x, torch.randn(257, 9, 64, generator=torch.Generator().manual_seed(3)) * 7)  # input untouched
+
+
+@pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
+@pytest.mark.parametrize("rotation", [True, False])
+def test_native_quantize_on_write_is_the_reference_bit_for_bit(mode, rotation):
+    """Same codes and scales as write_kv_torch, on normal, outlier, zero and huge values,
+    written only to the given slots."""
+    import dataclasses
+    nq = _need_native_quant()
+    fmt = dataclasses.replace(KV_FORMATS[mode], rotate=rotation)
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(70, 3, 64, generator=g) * 3
+    v = torch.randn(70, 3, 64, generator=g)
+    k[3, 1, 5], v[9] = 1e6, 0.0                       # an outlier (beyond fp16 at 4 bits) and zero rows
+    k[11, 0, :32] = 1e-9                               # scales among float16 subnormals
+    slots = torch.randperm(9 * 16, generator=g)[:70]
+    ref, got = (LayerKV.allocate(fmt, 9, 16, 3, 64, torch.device("cpu")) for _ in range(2))
+    for layer in (ref, got):
+        for t in layer.data_tensors():
+            t.fill_(float("nan"))
+    write_kv(k, v, ref, slots)
+    nq.write_kv_native(k, v, got, slots)
+    for a, b in zip(ref.tensors(), got.tensors()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))          # NaN slots included
+    with pytest.raises(ValueError, match="slot ids"):
+        nq.write_kv_native(k[:1], v[:1], got, torch.tensor([9 * 16]))
+
+
+def test_native_backend_writes_and_rotates_natively_for_code_formats():
+    nq = _need_native_quant()
+    from kernels.backend import NativeCpuKernels
+    assert NativeCpuKernels().describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
+    assert NativeCpuKernels().describe(KV_FORMATS["fp32"])["kv_write"] == "torch"
+    assert nq.available()

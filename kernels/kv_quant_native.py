@@ -1,0 +1,64 @@
+"""Native CPU quantize-on-write and Hadamard rotation (kernels/csrc/kv_quant.c): the same
+signatures and, bit for bit, the same results as the torch references `kv_quant.rotate`
+and `cache_ops.write_kv_torch` (tests compare them). Each is one C pass over the new rows
+instead of ~20 torch ops per layer, which at decode time is most of what a quantized cache
+costs beyond an unquantized one.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import native
+from .cache_ops import write_kv_torch
+from .kv_format import LayerKV
+from .kv_quant import rotate
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    lib = native.load("kv_quant")
+    if lib is not None and not getattr(lib, "_evalrun_typed", False):
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.rotate_groups.restype = i32
+        lib.rotate_groups.argtypes = [ptr, i64, i32, ctypes.c_float]
+        lib.quantize_write.restype = i32
+        lib.quantize_write.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i32, i32, i32, ctypes.c_float]
+        lib._evalrun_typed = True
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def rotate_native(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """As kv_quant.rotate: [..., D] -> float32 [..., D], each group of group_size times H."""
+    lib = _lib()
+    y = x.float().contiguous().clone() if x.dtype == torch.float32 else x.float().contiguous()
+    if lib is None or x.device.type != "cpu" or x.shape[-1] % group_size or \
+            lib.rotate_groups(y.data_ptr(), y.numel() // group_size, group_size, group_size ** -0.5):
+        return rotate(x, group_size)
+    return y
+
+
+def write_kv_native(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+    """As cache_ops.write_kv_torch, quantizing in C for code formats on CPU."""
+    fmt = layer.fmt
+    lib = _lib()
+    if not fmt.quantized or lib is None or k.device.type != "cpu" or \
+            not all(t.is_contiguous() for t in layer.tensors()):
+        write_kv_torch(k, v, layer, slot_mapping)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= layer.k.shape[0] * layer.k.shape[1]):
+        raise ValueError(f"slot ids must lie in [0, {layer.k.shape[0] * layer.k.shape[1]})")
+    t, w = k.shape[0], k.shape[1] * k.shape[2]
+    for x, bits, codes, scales in ((k, fmt.k_bits, layer.k, layer.k_scale), (v, fmt.v_bits, layer.v, layer.v_scale)):
+        xf = x.float().contiguous()
+        rc = lib.quantize_write(xf.data_ptr(), t, w, slots.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                bits, fmt.group_size, int(fmt.rotate), fmt.group_size ** -0.5)
+        if rc:
+            write_kv_torch(k, v, layer, slot_mapping)       # F16C missing or a shape it cannot take
+            return
