@@ -471,6 +471,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for part in PARTS:
         settings = part_settings(args, part, info["git"])
         old = stored.get(part, {})
+        if part not in args.parts and old:           # not asked for: kept as stored, with its own settings
+            result[part] = old
+            print(f"{part}: kept from {args.out}")
+            continue
         if old.get("settings") != settings:
             old = {}
         if part not in args.parts or old.get("complete"):
