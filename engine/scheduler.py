@@ -68,9 +68,15 @@ class Scheduler:
     def _try_start(self, job: DynamicJob) -> bool:
         pool, ps, st = self.pool, self.pool.page_size, job.state
         match = pool.match_prefix(job.prompt_ids, job.prompt_len - 1)
-        for pid in match.full_pages:
+        copy = match.copy_page if match.copy_tokens else None
+        # NOTE: every page the job reads is held before allocating, so that the allocation
+        # cannot evict it (an evicted copy source forgets its tokens: the copy would never come)
+        for pid in match.full_pages + ([copy] if copy is not None else []):
             pool.acquire(pid)
         new_needed = self.pages_needed(job) - match.num_pages
+        if copy is not None and new_needed > pool.num_available:
+            pool.release(copy)                       # the copy only saves work: drop it, not the job
+            copy = None
         if new_needed > pool.num_available:
             for pid in match.full_pages:
                 pool.release(pid)
@@ -78,19 +84,20 @@ class Scheduler:
         st.page_table = match.full_pages + pool.allocate(new_needed)
         st.num_computed_tokens = match.num_pages * ps
         st.waits = [(pid, ps) for pid in match.full_pages if pool.pages[pid].num_valid < ps]
-        self._plan_copy(job, match.copy_page, match.copy_tokens)
+        self._plan_copy(job, copy, match.copy_tokens)
         st.cached_tokens = st.num_computed_tokens
         self._register_prompt_pages(job, match.num_pages, match.parent_hash)
         return True
 
     def _plan_copy(self, job: DynamicJob, src: Optional[int], n: int) -> None:
+        """src (held by the caller; kept while the copy is pending, else released)."""
         st = job.state
-        if src is None or n == 0:
+        if src is None:
             return
         ready = self.pool.pages[src].num_valid >= n
         if not ready and not st.waits and n < MIN_TOKENS_TO_WAIT_FOR:
+            self.pool.release(src)
             return      # not worth waiting for, unless the job waits for its full pages anyway
-        self.pool.acquire(src)
         st.copy = PageCopy(src, st.page_table[st.num_computed_tokens // self.pool.page_size], n)
         st.waits.append((src, n))
         st.num_computed_tokens += n

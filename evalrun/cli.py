@@ -118,7 +118,10 @@ def _memory_size(text: str) -> int:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1.5GB, got {text!r}")
-    size = int(float(m.group(1)) * _UNITS[unit])
+    try:
+        size = int(float(m.group(1)) * _UNITS[unit])
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"cache size {text!r} is out of range") from None
     if size < 1:
         raise argparse.ArgumentTypeError(f"a cache size must be at least one byte, got {text!r}")
     return size

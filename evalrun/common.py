@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -97,8 +98,21 @@ def cache_plan(cfg: EngineConfig, model_dir: Path) -> dict[str, Any]:
             pages = (cfg.cache_tokens or DEFAULT_MAX_TOKENS) // cfg.page_size
     except ValueError as exc:
         raise BadInput(str(exc).replace("max_memory", "--cache-memory")) from exc
+    memory = (pages + 1) * cfg.page_size * per_token
+    ram = _physical_memory()
+    if cfg.device == "cpu" and ram and memory > ram:
+        raise BadInput(f"the KV cache would take {memory / 2**30:.1f} GiB ({pages * cfg.page_size} tokens in "
+                       f"{fmt.name}), more than this machine's {ram / 2**30:.1f} GiB of memory: "
+                       "lower --cache-tokens or --cache-memory")
     return {"cache_tokens": pages * cfg.page_size, "cache_bytes_per_token": per_token,
-            "cache_memory_bytes": (pages + 1) * cfg.page_size * per_token, "cache_format": fmt.describe()}
+            "cache_memory_bytes": memory, "cache_format": fmt.describe()}
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, Any]:

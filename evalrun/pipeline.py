@@ -103,6 +103,7 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         row_base = {"run_id": store.manifest["run_id"], "task": run.task.name, "cache_mode": cfg.cache_mode}
         t0 = time.time()
         totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress)
+        _warn_cache_skips(run, plans, fits < model.max_seq_len, fits)
         rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
         per, overall = run.task.summarize(rows)
         tp = generator_throughput(generator, t0)
@@ -110,6 +111,15 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         store.record_session(end_time=utc_now(), throughput=tp)
     report(rows, per, overall, tp, run.out_dir)
     return 0
+
+
+def _warn_cache_skips(run: TaskRun, plans: list, cache_limits: bool, fits: int) -> None:
+    """Rows skipped because their prompt is longer than the KV cache are stored as done: say so."""
+    skipped = sum(p.skip_reason is not None for p in plans)
+    if skipped and cache_limits:
+        print(f"warning: {skipped} {run.unit} skipped because their prompt does not fit in the KV cache's "
+              f"{fits} tokens; they are stored as skipped and a resume will not retry them: run them with a "
+              "larger --cache-tokens or --cache-memory into another --output-dir", file=sys.stderr)
 
 
 def _session(totals: RunTotals, generator: Any) -> dict[str, Any]:

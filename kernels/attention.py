@@ -156,7 +156,8 @@ def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale
     batched matmuls per KV head reads the gathered [Bd, L, Hkv, D] keys in place (row
     stride Hkv * D), so no permuted copy of the context is made; SDPA's CPU kernel is
     several times slower at q_len 1. Quantized formats: the gathered context is dequantized
-    (this is the reference; the native kernel dequantizes in registers)."""
+    (this is the reference; the native kernel dequantizes a few head rows at a time into an
+    L1-sized buffer and never copies the context)."""
     bd, lmax = meta.decode_slots.shape
     hkv, d = layer.num_kv_heads, layer.head_dim
     group = q.shape[1] // hkv

@@ -52,7 +52,7 @@ class NativeCpuKernels(TorchKernels):
         out = super().describe(fmt)
         if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
             out["decode_attention"] = "native-c"
-        if fmt.quantized and kv_quant_native.available():
+        if fmt.quantized and kv_quant_native.quantize_available():
             out["kv_write"] = "native-c"
         return out
 

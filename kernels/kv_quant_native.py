@@ -25,12 +25,21 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.rotate_groups.argtypes = [ptr, i64, i32, ctypes.c_float]
         lib.quantize_write.restype = i32
         lib.quantize_write.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i32, i32, i32, ctypes.c_float]
+        lib.quantize_supported.restype = i32
+        lib.quantize_supported.argtypes = []
         lib._evalrun_typed = True
     return lib
 
 
 def available() -> bool:
+    """The rotation is available (the library built)."""
     return _lib() is not None
+
+
+def quantize_available() -> bool:
+    """Quantize-on-write runs natively (the library built with F16C)."""
+    lib = _lib()
+    return lib is not None and bool(lib.quantize_supported())
 
 
 def rotate_native(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -46,15 +55,19 @@ def rotate_native(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def write_kv_native(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
     """As cache_ops.write_kv_torch, quantizing in C for code formats on CPU."""
     fmt = layer.fmt
-    lib = _lib()
-    if not fmt.quantized or lib is None or k.device.type != "cpu" or \
+    if not fmt.quantized or not quantize_available() or k.device.type != "cpu" or \
             not all(t.is_contiguous() for t in layer.tensors()):
         write_kv_torch(k, v, layer, slot_mapping)
         return
+    t = k.shape[0]
+    if k.shape != (t, layer.num_kv_heads, layer.head_dim) or v.shape != k.shape or slot_mapping.shape != (t,):
+        raise ValueError(f"write_kv: K {tuple(k.shape)} / V {tuple(v.shape)} / slots {tuple(slot_mapping.shape)} "
+                         f"do not fit a cache of {layer.num_kv_heads} KV heads of {layer.head_dim}")
     slots = slot_mapping.to(torch.int64).contiguous()
-    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= layer.k.shape[0] * layer.k.shape[1]):
+    if t and (int(slots.min()) < 0 or int(slots.max()) >= layer.k.shape[0] * layer.k.shape[1]):
         raise ValueError(f"slot ids must lie in [0, {layer.k.shape[0] * layer.k.shape[1]})")
-    t, w = k.shape[0], k.shape[1] * k.shape[2]
+    w = k.shape[1] * k.shape[2]
+    lib = _lib()
     for x, bits, codes, scales in ((k, fmt.k_bits, layer.k, layer.k_scale), (v, fmt.v_bits, layer.v, layer.v_scale)):
         xf = x.float().contiguous()
         rc = lib.quantize_write(xf.data_ptr(), t, w, slots.data_ptr(), codes.data_ptr(), scales.data_ptr(),

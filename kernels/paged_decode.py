@@ -2,8 +2,8 @@
 
     q           [B, Hq, D]   one query per sequence, already in the attention domain
                              (rotated for rotating formats: see kernels.attention.attend)
-    layer       LayerKV      read in place: floats converted, codes dequantized in registers
-                             one slot row at a time (no dequantized copy of the context)
+    layer       LayerKV      read in place: floats converted and codes dequantized a block of
+                             head rows at a time into an L1-sized buffer (no copy of the context)
     page_table  [B, max_pages] int32, seq_lens [B] int32
 Same contract as the torch reference `kernels.attention.decode_torch`.
 """

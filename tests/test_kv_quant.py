@@ -343,15 +343,21 @@ def test_values_beyond_the_float16_scale_range_stay_finite(bits):
 # --- the native versions (kernels/csrc/kv_quant.c) against the torch references -----------
 
 
-def _need_native_quant():
+def _need_native_quant(monkeypatch):
+    """The native module, with its torch fallbacks made to fail: a test passes only if C ran."""
     from kernels import kv_quant_native
-    if not kv_quant_native.available():
-        pytest.skip("the native quantize kernel is not built here (no C compiler or native off)")
+    if not kv_quant_native.quantize_available():
+        pytest.skip("the native quantize kernel is not built here (no C compiler, native off or no F16C)")
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the torch fallback ran instead of the native kernel")
+    monkeypatch.setattr(kv_quant_native, "write_kv_torch", no_fallback)
+    monkeypatch.setattr(kv_quant_native, "rotate", no_fallback)
     return kv_quant_native
 
 
-def test_native_rotation_is_the_reference_bit_for_bit_and_batch_invariant():
-    nq = _need_native_quant()
+def test_native_rotation_is_the_reference_bit_for_bit_and_batch_invariant(monkeypatch):
+    nq = _need_native_quant(monkeypatch)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(257, 9, 64, generator=g) * 7
     out = nq.rotate_native(x, G)
@@ -363,11 +369,11 @@ def test_native_rotation_is_the_reference_bit_for_bit_and_batch_invariant():
 
 @pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
 @pytest.mark.parametrize("rotation", [True, False])
-def test_native_quantize_on_write_is_the_reference_bit_for_bit(mode, rotation):
+def test_native_quantize_on_write_is_the_reference_bit_for_bit(monkeypatch, mode, rotation):
     """Same codes and scales as write_kv_torch, on normal, outlier, zero and huge values,
-    written only to the given slots."""
+    written only to the given slots; a group holding a NaN reads NaN in both."""
     import dataclasses
-    nq = _need_native_quant()
+    nq = _need_native_quant(monkeypatch)
     fmt = dataclasses.replace(KV_FORMATS[mode], rotate=rotation)
     g = torch.Generator().manual_seed(4)
     k = torch.randn(70, 3, 64, generator=g) * 3
@@ -385,11 +391,27 @@ def test_native_quantize_on_write_is_the_reference_bit_for_bit(mode, rotation):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))          # NaN slots included
     with pytest.raises(ValueError, match="slot ids"):
         nq.write_kv_native(k[:1], v[:1], got, torch.tensor([9 * 16]))
+    for bad_k, bad_slots in ((k[:1, :1], slots[:1]), (k[:2], slots[:1]), (k[:1, :, :32], slots[:1])):
+        with pytest.raises(ValueError, match="do not fit"):
+            nq.write_kv_native(bad_k, bad_k, got, bad_slots)
+    k[5, 2, 40] = float("nan")                                                   # one NaN: its group reads NaN
+    write_kv(k[5:6], v[5:6], ref, slots[5:6])
+    nq.write_kv_native(k[5:6], v[5:6], got, slots[5:6])
+    assert torch.equal(ref.k_scale.view(torch.uint8), got.k_scale.view(torch.uint8))
+    read = [gather_kv(layer, slots[5:6], torch.float32)[0][0, 2] for layer in (ref, got)]
+    for r in read:
+        assert r[32:].isnan().all() and not r[:32].isnan().any()
 
 
-def test_native_backend_writes_and_rotates_natively_for_code_formats():
-    nq = _need_native_quant()
+def test_native_backend_writes_and_rotates_natively_for_code_formats(monkeypatch):
+    """The backend's q4 write and attention run without ever touching the torch fallbacks,
+    and the manifest's description says so; fp32 writes stay torch."""
+    _need_native_quant(monkeypatch)
     from kernels.backend import NativeCpuKernels
-    assert NativeCpuKernels().describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
-    assert NativeCpuKernels().describe(KV_FORMATS["fp32"])["kv_write"] == "torch"
-    assert nq.available()
+    backend = NativeCpuKernels()
+    assert backend.describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
+    assert backend.describe(KV_FORMATS["fp32"])["kv_write"] == "torch"
+    layer = LayerKV.allocate(KV_FORMATS["q4"], 5, 8, 2, 64, torch.device("cpu"))
+    backend.write_kv(torch.randn(20, 2, 64), torch.randn(20, 2, 64), layer, torch.arange(20))
+    meta = build_metadata([1, 3], [9, 11], [[0, 1], [2, 3]], 8, 4, torch.device("cpu"))
+    assert torch.isfinite(backend.attention(torch.randn(4, 4, 64), layer, meta, 0.125)).all()

@@ -118,7 +118,7 @@ def test_csv_layout_gives_same_rows(tiny_model_dir, tmp_path, data):
     pd.testing.assert_frame_equal(outs[0][cols], outs[1][cols])
 
 
-def test_long_prompts_drop_shots_then_skip(tiny_model_dir, tmp_path):
+def test_long_prompts_drop_shots_then_skip(tiny_model_dir, tmp_path, capsys):
     # SmolLM2's tokenizer: nutrition's first 3 questions are 561-601 tokens 5-shot, 505-545 4-shot
     # and 61-101 0-shot
     common = ["--model", str(tiny_model_dir), "--data-dir", str(FIXTURE), "--subjects", "nutrition",
@@ -129,6 +129,8 @@ def test_long_prompts_drop_shots_then_skip(tiny_model_dir, tmp_path):
     assert _cli(*common, "--cache-tokens", "48", "--output-dir", str(tmp_path / "b")) == 0
     df = _samples(tmp_path / "b")
     assert df.skipped.all() and df.skip_reason.str.contains("does not fit in 48 tokens").all()
+    assert "warning: 3 questions skipped because their prompt does not fit in the KV cache's 48 tokens" \
+        in capsys.readouterr().err
 
 
 def test_batch_invariance_fp32(tiny_model_dir, tmp_path):

@@ -181,3 +181,34 @@ def test_compaction_moves_only_pages_above_the_cached_count():
     assert list(pool.cached) == [plan[old] for old in lru]          # LRU order kept
     for old, toks in kept.items():
         assert pool.pages[plan[old]].tokens == tuple(toks)
+
+
+def test_copy_source_is_not_evicted_by_the_allocation_of_its_own_job():
+    """Under cache pressure the allocation for a new job evicts cached pages, least recently
+    used first. The partial sibling the job copies from is such a page: it must be held
+    before allocating, else it is evicted (its tokens forgotten) and the job waits for a
+    copy that never comes — the scheduler stalls. With no room for it, the copy is dropped."""
+    pool = PagePool(4, 32)
+    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=256)
+    full, partial = list(range(100, 132)), list(range(200, 220))
+    x = _job(full + partial, n=1)                           # 52 + 1 tokens: 2 pages
+    sched.add(x)
+    assert sched.admit() == [x]
+    for c in sched.plan():
+        sched.computed(c)
+    sched.finish(x)
+    assert sorted(pool.cached) == [0, 1] and len(pool.free) == 2
+    y = _job(full + partial[:18] + list(range(300, 340)), n=30)   # 90 + 30 tokens: 4 pages, 1 matched
+    sched.add(y)
+    assert sched.admit() == [y]                             # room only without the copy: no copy
+    assert y.state.copy is None and y.state.page_table[0] == 0 and sched.ready(y)
+    assert [(c.job, c.start) for c in sched.plan()] == [(y, 32)]
+    sched.finish(y)
+    z = _job(full + partial[:18] + [7] * 10, n=1)           # 61 tokens: 2 pages, room for the copy too
+    pool2_before = sorted(pool.cached)
+    sched.add(z)
+    assert sched.admit() == [z]
+    if z.state.copy is not None:                            # copying: the source holds its tokens
+        src = pool.pages[z.state.copy.src_page]
+        assert src.ref_count >= 1 and src.num_valid >= z.state.copy.num_tokens
+    assert sched.plan(), pool2_before                       # and the scheduler makes progress

@@ -3,7 +3,8 @@
  * for code formats). Every float operation is the reference's, in the same order (butterfly
  * a + b / a - b, one multiply by G^-1/2, amax / qmax, round half to even, float16 round to
  * nearest even then one ulp up when short), so the codes equal the reference's bit for bit
- * and a row's result never depends on the other rows of the call.
+ * and a row's result never depends on the other rows of the call. A group holding a NaN gets
+ * the reference's NaN scale (its codes are unspecified there; zeros here), so it reads NaN.
  *
  * Layouts (as kernels/kv_format.py):
  *   x       [T, W] float32, W = Hkv * D values of each new token (all heads)
@@ -22,6 +23,7 @@
 #endif
 
 #define MAX_GROUP 256
+#define F16_NAN 0x7e00             /* the float16 NaN torch produces from a float32 NaN */
 
 static void fwht(float *y, int G, float norm) {
     for (int h = 1; h < G; h *= 2)
@@ -46,6 +48,15 @@ static inline uint16_t f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_F
 static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 #endif
 
+/* 1 when quantize_write can run in this build (it needs F16C), else 0. */
+int quantize_supported(void) {
+#if defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int quantize_write(const float *x, int64_t T, int W, const int64_t *slots, uint8_t *codes,
                    uint16_t *scales, int bits, int G, int rotation, float norm) {
 #if !defined(__F16C__)
@@ -66,7 +77,16 @@ int quantize_write(const float *x, int64_t T, int W, const int64_t *slots, uint8
             memcpy(y, x + t * W + g * G, sizeof(float) * (size_t)G);
             if (rotation) fwht(y, G, norm);
             float amax = 0.0f;
-            for (int j = 0; j < G; j++) amax = fabsf(y[j]) > amax ? fabsf(y[j]) : amax;
+            int nan = 0;
+            for (int j = 0; j < G; j++) {
+                nan |= y[j] != y[j];
+                amax = fabsf(y[j]) > amax ? fabsf(y[j]) : amax;
+            }
+            if (nan) {                             /* as the reference: a NaN scale, so the group reads NaN */
+                srow[g] = F16_NAN;
+                memset(bits == 8 ? crow + g * G : crow + g * half, 0, (size_t)(bits == 8 ? G : half));
+                continue;
+            }
             const float exact = amax / (float)qmax;
             uint16_t s = f32_to_f16(exact < fp16_max ? exact : fp16_max);
             if (f16_to_f32(s) < exact && f16_to_f32(s) < fp16_max) s = (uint16_t)(s + 1);  /* one ulp up */

@@ -37,7 +37,7 @@
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_F16 = 2, KIND_Q8 = 3, KIND_Q4 = 4 };
 
-/* Floats of scratch per thread; kernels/attention.py allocates nthreads times this. */
+/* Floats of scratch per thread; kernels/paged_decode.py allocates nthreads times this. */
 #define SCRATCH(Hq, Hkv, D, lmax) ((int64_t)(Hq) * (lmax) + (int64_t)(Hq) * (D) + 64 * (int64_t)(D) + (Hq))
 
 typedef struct {
