@@ -197,8 +197,8 @@ def test_invalid_sampler_settings(kwargs: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"mode": "int8"}, "cache mode must be one of fp32, bf16, fp16, got 'int8'"),
-    ({"mode": "float32"}, "cache mode must be one of fp32, bf16, fp16, got 'float32'"),
+    ({"mode": "int8"}, "cache mode must be one of fp32, bf16, fp16, q8, q6, q4, got 'int8'"),
+    ({"mode": "float32"}, "cache mode must be one of fp32, bf16, fp16, q8, q6, q4, got 'float32'"),
     ({"page_size": 0}, "page_size must be a positive integer, got 0"),
     ({"page_size": 16.0}, "page_size must be a positive integer, got 16.0"),
     ({"page_size": 256, "max_tokens": 100}, "max_tokens \\(100\\) must be an integer >= page_size \\(256\\)"),
