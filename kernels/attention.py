@@ -86,7 +86,8 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         prefill.append(PrefillSeq(int(cu[b]), q_lens[b], slots.to(device),
                                   _causal_mask(q_lens[b], seq_lens[b], device)))
     return AttentionMetadata(
-        cu_seqlens_q=cu.to(device), cu_seqlens_k=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
+        cu_seqlens_q=cu.to(device),
+        cu_seqlens_k=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
         seq_lens_k=lens.to(device), max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens),
         page_table=table.to(device),
         page_size=page_size, num_decode=num_decode,
