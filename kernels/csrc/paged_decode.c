@@ -156,6 +156,16 @@ static inline const float *load_head(const void *cache, const uint16_t *scales, 
     }
 }
 
+/* rows[p] = head h of positions p0 .. p0 + n - 1 through the page table (see load_head). Returns n. */
+static inline int load_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages,
+                            int S, int p0, int n, int h, int D, int W, float *buf, const float **rows) {
+    for (int p = 0; p < n; p++) {
+        const int pos = p0 + p;
+        rows[p] = load_head(cache, scales, kind, G, (int64_t)pages[pos / S] * S + pos % S, h, D, W, buf + (int64_t)p * D);
+    }
+    return n;
+}
+
 #define BLOCK 8                    /* keys scored together */
 #define VBLOCK 64                  /* values summed per pass over the accumulators */
 
@@ -235,12 +245,8 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     const float *rows[VBLOCK];
     for (int h = 0; h < Hkv; h++) {
         for (int p0 = 0; p0 < L; p0 += BLOCK) {
-            const int n = L - p0 < BLOCK ? L - p0 : BLOCK;
-            for (int p = 0; p < n; p++) {
-                const int pos = p0 + p;
-                rows[p] = load_head(a->k, a->k_scale, a->k_kind, a->G, (int64_t)pages[pos / S] * S + pos % S,
-                                    h, D, W, rowbuf + (int64_t)p * D);
-            }
+            const int n = load_rows(a->k, a->k_scale, a->k_kind, a->G, pages, S, p0, L - p0 < BLOCK ? L - p0 : BLOCK,
+                                    h, D, W, rowbuf, rows);
             for (int g = 0; g < Gq; g++) {
                 const int hq = h * Gq + g;
                 dots(q + (int64_t)hq * D, rows, n, D, scores + hq * lmax + p0);
@@ -256,12 +262,8 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
             memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
         }
         for (int p0 = 0; p0 < L; p0 += VBLOCK) {
-            const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK;
-            for (int p = 0; p < n; p++) {
-                const int pos = p0 + p;
-                rows[p] = load_head(a->v, a->v_scale, a->v_kind, a->G, (int64_t)pages[pos / S] * S + pos % S,
-                                    h, D, W, rowbuf + (int64_t)p * D);
-            }
+            const int n = load_rows(a->v, a->v_scale, a->v_kind, a->G, pages, S, p0, L - p0 < VBLOCK ? L - p0 : VBLOCK,
+                                    h, D, W, rowbuf, rows);
             for (int g = 0; g < Gq; g++) {
                 const int hq = h * Gq + g;
                 axpys(acc + (int64_t)hq * D, scores + hq * lmax + p0, rows, n, D);
