@@ -40,14 +40,15 @@ from engine.cache import auto_cache_mode
 
 NAME = "bench_cache_modes"
 PARTS = ("kl", "mmlu", "decode")
-DEFAULT_MODES = "q8,q6,q4,q8-norot,q6-norot,q4-norot"
+DEFAULT_MODES = "q8,q6,q4,q8-w0,q6-w0,q4-w0,q8-norot,q6-norot,q4-norot"
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of kl,mmlu,decode")
     p.add_argument("--modes", default=DEFAULT_MODES, help="cache modes of kl and mmlu (fp32 is the "
-                   "reference, always run); NAME-norot = NAME without the Hadamard rotation")
+                   "reference, always run); NAME-norot = NAME without the Hadamard rotation, NAME-wN = with a "
+                   "recent-token window of N (-w0: none, the plain ExLlamaV2 scheme)")
     p.add_argument("--decode-modes", default="q8,q6,q4", help="cache modes timed beside fp32 in decode")
     p.add_argument("--dtype", choices=sorted(TORCH_DTYPE), default="float32", help="model compute dtype")
     p.add_argument("--page-size", type=int, default=256)

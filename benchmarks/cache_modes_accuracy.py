@@ -34,11 +34,22 @@ def split_names(text: str) -> list[str]:
 
 
 def cache_format(name: str) -> KVFormat:
-    """A KV_FORMATS mode, or `q8-norot` etc.: the same quantized format without rotation."""
-    base, norot = (name[: -len("-norot")], True) if name.endswith("-norot") else (name, False)
-    if base not in KV_FORMATS or (norot and not KV_FORMATS[base].quantized):
-        raise SystemExit(f"unknown cache mode {name!r}: use {', '.join(KV_FORMATS)} or q8/q6/q4-norot")
-    return dataclasses.replace(KV_FORMATS[base], name=name, rotate=False) if norot else KV_FORMATS[base]
+    """A KV_FORMATS mode, or a quantized one with options: `-norot` (no Hadamard rotation),
+    `-wN` (a recent-token window of N; -w0: none), e.g. q4-w0, q6-w0-norot."""
+    base, *opts = name.split("-")
+    fmt = KV_FORMATS.get(base)
+    changes: dict = {}
+    for opt in opts:
+        if opt == "norot":
+            changes["rotate"] = False
+        elif opt[:1] == "w" and opt[1:].isdigit():
+            changes["window"] = int(opt[1:])
+        else:
+            fmt = None
+    if fmt is None or (opts and not fmt.quantized):
+        raise SystemExit(f"unknown cache mode {name!r}: use {', '.join(KV_FORMATS)}, or q8/q6/q4 with "
+                         "-norot and/or -wN (e.g. q4-w0, q4-norot)")
+    return dataclasses.replace(fmt, name=name, **changes) if opts else fmt
 
 
 
@@ -105,7 +116,8 @@ def forward_chunk(model: Model, cache: PagedCache, ids: list[int], pages: list[i
     ps, dev = cache.page_size, model.device
     pos = torch.arange(start, end)                                                  # [T]
     slots = torch.tensor(pages)[pos // ps] * ps + pos % ps
-    attn = build_metadata([end - start], [end], [pages[: -(-end // ps)]], ps, cache.null_page, dev)
+    attn = build_metadata([end - start], [end], [pages[: -(-end // ps)]], ps, cache.null_page, dev,
+                          window=cache.window, window_slots=[0])           # one sequence at a time
     batch = ForwardBatch(torch.tensor(ids[start:end], device=dev), pos.to(dev), slots.to(dev), attn,
                          torch.arange(end - start, device=dev))
     return model.forward(batch, cache)

@@ -18,7 +18,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache,
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    q_lens, seq_lens, tables = [], [], []
+    q_lens, seq_lens, tables, windows = [], [], [], []
     logit_rows, sampled = [], []
     for ch in chunks:
         job, table = ch.job, ch.job.state.page_table
@@ -29,10 +29,12 @@ def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache,
         q_lens.append(ch.num_tokens)
         seq_lens.append(ch.end)
         tables.append(table[: -(-ch.end // ps)])
+        windows.append(job.state.window_slot)
         if ch.end == job.num_tokens:
             logit_rows.append(len(ids) - 1)
             sampled.append(ch)
-    attn = build_metadata(q_lens, seq_lens, tables, ps, cache.null_page, device)
+    attn = build_metadata(q_lens, seq_lens, tables, ps, cache.null_page, device,
+                          window=cache.window, window_slots=windows if cache.window else None)
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),

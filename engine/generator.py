@@ -35,7 +35,7 @@ class DynamicGenerator:
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(cache.pool, max_batch_size, max_chunk_size)
+        self.scheduler = Scheduler(cache.pool, max_batch_size, max_chunk_size, cache.window, cache.window_slots)
         self.outputs: dict[int, JobOutput] = {}
         self.counters = dict.fromkeys(_COUNTERS, 0)
 

@@ -82,6 +82,7 @@ class JobState:
     waits: list[tuple[int, int]] = field(default_factory=list)   # (page id, slots that must be valid)
     copy: Optional[PageCopy] = None
     cached_tokens: int = 0
+    window_slot: Optional[int] = None     # block of the cache's recent-token window store
     serial: int = 0
     time_enqueued: float = 0.0
     time_started: float = 0.0

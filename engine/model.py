@@ -123,7 +123,7 @@ class Model:
         v = qkv[:, q_size + kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         kv = cache.layer(i)
         self.kernels.write_kv(k, v, kv, batch.slot_mapping)
-        o = self.kernels.attention(q, kv, batch.attn, cfg.head_dim ** -0.5)  # [T, Hq, D]
+        o = self.kernels.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v)  # [T, Hq, D]
         return linear(o.reshape(t, q_size), layer.wo, residual=x)
 
 

@@ -8,6 +8,10 @@ Admission reserves pages for prompt + max_new_tokens (no preemption). The queue
 is kept sorted by prompt tokens, so jobs sharing a prefix are admitted together;
 the first computes the shared pages, the rest reference them and wait until the
 pages they need are filled.
+
+Cache formats with a recent-token window (kernels/kv_format.py) give each running job one
+block of the window store, and reuse a prefix only up to a block boundary: the tokens of
+a partly reused block are computed again, so their exact K/V are in the job's block.
 """
 from __future__ import annotations
 
@@ -33,8 +37,13 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch_size: Optional[int], max_chunk_size: int):
+    def __init__(self, pool: PagePool, max_batch_size: Optional[int], max_chunk_size: int,
+                 window: int = 0, window_slots: int = 0):
         self.pool = pool
+        self.window = window
+        if window:
+            max_batch_size = window_slots if max_batch_size is None else min(max_batch_size, window_slots)
+        self.free_windows = list(range(window_slots - 1, -1, -1)) if window else []
         self.max_batch_size = max_batch_size
         self.max_chunk_size = max_chunk_size
         self.queue: list[tuple[tuple[int, ...], int, DynamicJob]] = []
@@ -68,7 +77,8 @@ class Scheduler:
     def _try_start(self, job: DynamicJob) -> bool:
         pool, ps, st = self.pool, self.pool.page_size, job.state
         match = pool.match_prefix(job.prompt_ids, job.prompt_len - 1)
-        copy = match.copy_page if match.copy_tokens else None
+        copy_tokens = match.copy_tokens - match.copy_tokens % self.window if self.window else match.copy_tokens
+        copy = match.copy_page if copy_tokens else None
         # NOTE: every page the job reads is held before allocating, so that the allocation
         # cannot evict it (an evicted copy source forgets its tokens: the copy would never come)
         for pid in match.full_pages + ([copy] if copy is not None else []):
@@ -84,8 +94,10 @@ class Scheduler:
         st.page_table = match.full_pages + pool.allocate(new_needed)
         st.num_computed_tokens = match.num_pages * ps
         st.waits = [(pid, ps) for pid in match.full_pages if pool.pages[pid].num_valid < ps]
-        self._plan_copy(job, copy, match.copy_tokens)
+        self._plan_copy(job, copy, copy_tokens)
         st.cached_tokens = st.num_computed_tokens
+        if self.window:
+            st.window_slot = self.free_windows.pop()
         self._register_prompt_pages(job, match.num_pages, match.parent_hash)
         return True
 
@@ -166,3 +178,6 @@ class Scheduler:
         for pid in job.state.page_table:
             self.pool.release(pid)
         job.state.page_table = []
+        if job.state.window_slot is not None:
+            self.free_windows.append(job.state.window_slot)
+            job.state.window_slot = None

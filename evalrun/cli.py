@@ -100,6 +100,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     size.add_argument("--cache-memory", type=_memory_size,
                       help="KV cache size in bytes instead, e.g. 2GiB, 512MiB, 1.5GB: a smaller cache mode "
                            "then holds more tokens (default: --cache-tokens)")
+    p.add_argument("--cache-window", type=int, default=None,
+                   help="q8/q6/q4: attend each token's current block of this many recent tokens exactly "
+                        "(fp16, one block per running job) and only older ones through the codes; 0 turns it "
+                        "off (the plain ExLlamaV2 scheme). Must divide --page-size (default: 128, or its greatest "
+                        "common divisor with the page size)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default: 256)")
     p.add_argument("--max-batch-size", "--batch-size", "--batch_size", dest="max_batch_size", type=_batch_size,
                    help="most jobs running at once; lm-eval's --batch_size is accepted, 'auto' included "

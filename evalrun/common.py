@@ -57,7 +57,7 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
     from engine import DynamicGenerator, PagedCache
     try:
         cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode,
-                           max_memory=cfg.cache_memory)
+                           max_memory=cfg.cache_memory, max_jobs=cfg.max_batch_size, window=cfg.cache_window)
         return DynamicGenerator(model, cache, tokenizer, max_batch_size=cfg.max_batch_size,
                                 max_chunk_size=cfg.max_chunk_size)
     except ValueError as exc:
@@ -65,9 +65,16 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
 
 
 def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
-    """The part of a run's resume identity that the model and engine settings decide (resolved values)."""
-    return {"model_fingerprint": fp["model_fingerprint"], "tokenizer_fingerprint": fp["tokenizer_fingerprint"],
-            "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode}
+    """The part of a run's resume identity that the model and engine settings decide (resolved
+    values; a quantized mode's recent-token window too, which changes its answers)."""
+    from engine.cache import resolve_format
+    out = {"model_fingerprint": fp["model_fingerprint"], "tokenizer_fingerprint": fp["tokenizer_fingerprint"],
+           "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode}
+    try:
+        window = resolve_format(cfg.cache_mode, cfg.page_size, cfg.cache_window).window
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
+    return {**out, "cache_window": window} if window else out
 
 
 def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, identity: dict[str, Any],
@@ -85,27 +92,23 @@ def cache_plan(cfg: EngineConfig, model_dir: Path) -> dict[str, Any]:
     """The KV cache these settings build for this model, from its config.json alone (no weights):
     checks that the mode can store the model's heads and that the memory holds a page
     (BadInput otherwise), before anything is loaded."""
-    from engine.cache import DEFAULT_MAX_TOKENS, pages_for_memory
+    from engine.cache import plan_cache
     from engine.config import ModelConfig
-    from kernels.kv_format import kv_format
     try:
         config = ModelConfig.load(model_dir)
-        fmt = kv_format(cfg.cache_mode)
-        per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
-        if cfg.cache_memory is not None:
-            pages = pages_for_memory(cfg.cache_memory, cfg.page_size, per_token, fmt.name)
-        else:
-            pages = (cfg.cache_tokens or DEFAULT_MAX_TOKENS) // cfg.page_size
+        plan = plan_cache(config, cfg.cache_mode, cfg.page_size, cfg.cache_tokens, cfg.cache_memory,
+                          cfg.max_batch_size, cfg.cache_window)
     except ValueError as exc:
         raise BadInput(str(exc).replace("max_memory", "--cache-memory")) from exc
-    memory = (pages + 1) * cfg.page_size * per_token
+    memory, fmt = plan.memory_bytes, plan.format
     ram = _physical_memory()
     if cfg.device == "cpu" and ram and memory > ram:
-        raise BadInput(f"the KV cache would take {memory / 2**30:.1f} GiB ({pages * cfg.page_size} tokens in "
+        raise BadInput(f"the KV cache would take {memory / 2**30:.1f} GiB ({plan.max_tokens} tokens in "
                        f"{fmt.name}), more than this machine's {ram / 2**30:.1f} GiB of memory: "
                        "lower --cache-tokens or --cache-memory")
-    return {"cache_tokens": pages * cfg.page_size, "cache_bytes_per_token": per_token,
-            "cache_memory_bytes": memory, "cache_format": fmt.describe()}
+    return {"cache_tokens": plan.max_tokens, "cache_bytes_per_token": plan.bytes_per_token,
+            "cache_memory_bytes": memory, "cache_format": fmt.describe(), "cache_window": fmt.window,
+            "cache_window_jobs": plan.window_slots, "cache_window_bytes_per_job": plan.window_bytes_per_job}
 
 
 def _physical_memory() -> Optional[int]:

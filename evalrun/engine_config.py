@@ -22,6 +22,7 @@ class EngineConfig:
     page_size: int = 256
     max_batch_size: Optional[int] = None
     max_chunk_size: int = 2048
+    cache_window: Optional[int] = None           # q8/q6/q4 recent-token window (None: the mode's)
     choices: dict[str, Choice] = field(default_factory=dict)    # how device/dtype/cache_mode were picked
 
     def __post_init__(self) -> None:
@@ -31,6 +32,8 @@ class EngineConfig:
                 raise BadInput(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.cache_tokens is not None and self.cache_memory is not None:
             raise BadInput("give the KV cache size as --cache-tokens or as --cache-memory, not both")
+        if self.cache_window is not None and self.cache_window < 0:
+            raise BadInput(f"--cache-window must be >= 0, got {self.cache_window}")
         if self.cache_tokens is not None and self.cache_tokens < self.page_size:
             raise BadInput(f"--cache-tokens ({self.cache_tokens}) must be at least --page-size ({self.page_size})")
 
@@ -64,7 +67,7 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
         raise BadInput(str(exc)) from None
     tokens, memory = args.cache_tokens, getattr(args, "cache_memory", None)
     return EngineConfig(device.value, dtype.value, cache.value, tokens, memory, args.page_size,
-                        args.max_batch_size, args.max_chunk_size,
+                        args.max_batch_size, args.max_chunk_size, getattr(args, "cache_window", None),
                         {"device": device, "dtype": dtype, "cache_mode": cache})
 
 

@@ -25,6 +25,13 @@ or NaN slots are never touched.
 Quantized formats that rotate (q8/q6/q4) are attended in the rotated domain: the query is
 rotated once per head before the kernels run and the output rotated back once after
 (`attend`), so no cached vector is ever rotated back.
+
+Formats with a recent-token window of W (kernels/kv_format.py): query position t attends
+the keys of its own block [floor(t/W)W, t] exactly (in the window dtype) and the earlier
+ones through the codes. The exact values come from this forward's new K/V and, for the
+part of the block computed in earlier forwards, from the job's block of the window store,
+which `attend` keeps: a decode token is stored before the kernel reads it, a prefill
+sequence's last partial block after its attention.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class PrefillSeq:
     q_len: int
     slots: torch.Tensor            # [L] slot ids of the whole context
     mask: Optional[torch.Tensor]   # [q_len, L] bool; None when q_len == L (plain causal)
+    window_slot: int = -1          # block of the window store (windowed formats)
 
 
 @dataclass
@@ -62,11 +70,18 @@ class AttentionMetadata:
     decode_slots: Optional[torch.Tensor]   # [Bd, Lmax] int64
     decode_mask: Optional[torch.Tensor]    # [Bd, 1, 1, Lmax] bool
     prefill: list[PrefillSeq]
+    # recent-token window (0: none): per sequence its block of the store and the block
+    # start of its last query ((seq_len - 1) // W * W), int32 [B]
+    window: int = 0
+    window_slots: Optional[torch.Tensor] = None
+    window_starts: Optional[torch.Tensor] = None
 
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[list[int]],
-                   page_size: int, null_page: int, device: torch.device) -> AttentionMetadata:
-    """Sequences with q_len == 1 must come first (the decode group)."""
+                   page_size: int, null_page: int, device: torch.device, window: int = 0,
+                   window_slots: Optional[list[int]] = None) -> AttentionMetadata:
+    """Sequences with q_len == 1 must come first (the decode group). A windowed cache
+    passes its window and each sequence's block of the store."""
     num_decode = 0
     while num_decode < len(q_lens) and q_lens[num_decode] == 1:
         num_decode += 1
@@ -84,7 +99,14 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
     for b in range(num_decode, len(q_lens)):
         slots = _slots(table[b], seq_lens[b], page_size)
         prefill.append(PrefillSeq(int(cu[b]), q_lens[b], slots.to(device),
-                                  _causal_mask(q_lens[b], seq_lens[b], device)))
+                                  _causal_mask(q_lens[b], seq_lens[b], device),
+                                  window_slots[b] if window else -1))
+    win_slots = win_starts = None
+    if window:
+        if window_slots is None or len(window_slots) != len(q_lens) or any(w is None for w in window_slots):
+            raise ValueError("a windowed cache needs one window slot per sequence")
+        win_slots = torch.tensor(window_slots, dtype=torch.int32, device=device)
+        win_starts = ((lens - 1).clamp(min=0) // window * window).to(device)
     return AttentionMetadata(
         cu_seqlens_q=cu.to(device),
         cu_seqlens_k=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
@@ -93,7 +115,7 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         page_size=page_size, num_decode=num_decode,
         decode_slots=None if decode_slots is None else decode_slots.to(device),
         decode_mask=None if decode_mask is None else decode_mask.to(device),
-        prefill=prefill,
+        prefill=prefill, window=window, window_slots=win_slots, window_starts=win_starts,
     )
 
 
@@ -126,25 +148,108 @@ RotateFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-           decode: Optional[DecodeFn] = None, rotation: RotateFn = rotate) -> torch.Tensor:
+           decode: Optional[DecodeFn] = None, rotation: RotateFn = rotate,
+           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Paged attention of every sequence of the batch, in q's dtype [T, Hq, D]: the decode
     group through `decode` (default: the torch reference), prefill sequences through SDPA
     on their gathered context. Rotating formats: q rotated in, the output rotated out
-    (with `rotation`, default the torch reference)."""
+    (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
+    K/V (as written to the cache), which a windowed format needs."""
     fmt = layer.fmt
     if fmt.rotate:
         q = rotation(q, fmt.group_size).to(q.dtype)
+    fresh = None
+    if fmt.window:
+        if k is None or v is None or meta.window != fmt.window:
+            raise ValueError(f"cache mode {fmt.name} attends a window of {fmt.window} tokens: attention "
+                             f"needs the new k and v and metadata built with that window (got {meta.window})")
+        fresh = window_values(k, v, layer, rotation)
+        if meta.num_decode:
+            store_window(layer, fresh, torch.arange(meta.num_decode), meta.seq_lens_k[: meta.num_decode] - 1,
+                         meta.window_slots[: meta.num_decode])
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
     for seq in meta.prefill:
+        if fresh is not None:
+            _prefill_windowed(q, fresh, layer, seq, scale, out)
+            continue
         qs = q[seq.q_start: seq.q_start + seq.q_len].transpose(0, 1)[None]      # [1, Hq, q, D]
         k, v = gather_kv(layer, seq.slots, q.dtype)                              # [L, Hkv, D]
         o = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                            attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=True)
         out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
+    if fresh is not None:                     # after every read: a sequence's last partial block
+        for seq in meta.prefill:
+            length = seq.slots.shape[0]
+            first = max(length - seq.q_len, length // fmt.window * fmt.window)
+            if first < length:
+                pos = torch.arange(first, length)
+                store_window(layer, fresh, pos - (length - seq.q_len) + seq.q_start, pos,
+                             torch.full_like(pos, seq.window_slot))
     return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
+
+
+# --- recent-token window --------------------------------------------------------------
+def window_values(k: torch.Tensor, v: torch.Tensor, layer: LayerKV,
+                  rotation: RotateFn = rotate) -> tuple[torch.Tensor, torch.Tensor]:
+    """New K/V as the window holds them: in the attention domain, rounded to the window
+    dtype (so a token reads the same from this forward as from the store later)."""
+    fmt = layer.fmt
+    if fmt.rotate:
+        k, v = rotation(k, fmt.group_size), rotation(v, fmt.group_size)
+    return k.to(fmt.window_dtype), v.to(fmt.window_dtype)
+
+
+def store_window(layer: LayerKV, fresh: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor,
+                 positions: torch.Tensor, slots: torch.Tensor) -> None:
+    """fresh[rows] -> window store block `slots`, row position % W."""
+    w = layer.fmt.window
+    idx = slots.long() * w + positions.long() % w
+    for store, x in zip(layer.window_tensors(), fresh):
+        store.view(-1, *store.shape[2:]).index_copy_(0, idx, x[rows.long()])
+
+
+def _prefill_windowed(q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], layer: LayerKV,
+                      seq: PrefillSeq, scale: float, out: torch.Tensor) -> None:
+    """One prefill sequence, block by block of query positions: keys before the block from
+    the codes, the block's own from the store (computed earlier) and this forward."""
+    w, dt = layer.fmt.window, q.dtype
+    length = seq.slots.shape[0]
+    start = length - seq.q_len                                          # first new position
+    first = start // w * w
+    deq_k, deq_v = gather_kv(layer, seq.slots[: (length - 1) // w * w], dt)           # before the last block
+    old = [t[seq.window_slot, : start - first].to(dt) for t in layer.window_tensors()]   # [start-first, Hkv, D]
+    new = [t[seq.q_start: seq.q_start + seq.q_len].to(dt) for t in fresh]
+    for bs in range(first, length, w):
+        qa, qe = max(bs, start), min(bs + w, length)
+        ks, vs = ([d[:bs], o if bs == first else o[:0], n[qa - start: qe - start]]
+                  for d, o, n in ((deq_k, old[0], new[0]), (deq_v, old[1], new[1])))
+        kk, vv = torch.cat(ks), torch.cat(vs)                                         # [qe, Hkv, D]
+        qs = q[seq.q_start + qa - start: seq.q_start + qe - start].transpose(0, 1)[None]
+        mask = _causal_mask(qe - qa, qe, q.device)
+        o = F.scaled_dot_product_attention(qs, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=True)
+        out[seq.q_start + qa - start: seq.q_start + qe - start] = o[0].transpose(0, 1)
+
+
+def window_overlay(layer: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
+                   lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode group: gathered [Bd, L, Hkv, D] K/V with the positions of each query's block
+    replaced by the store's rows."""
+    bd, lmax = k.shape[:2]
+    w = layer.fmt.window
+    starts = meta.window_starts[:bd].long()
+    pos = torch.arange(lmax, device=k.device)
+    inside = (pos[None] >= starts[:, None]) & (pos[None] < lens[:, None].long())       # [Bd, L]
+    rows = meta.window_slots[:bd].long()[:, None] * w + (pos[None] - starts[:, None]).clamp(0, w - 1)
+    out = []
+    for x, store in zip((k, v), layer.window_tensors()):
+        win = store.view(-1, *store.shape[2:])[rows.view(-1)].view(bd, lmax, *store.shape[2:]).to(x.dtype)
+        out.append(torch.where(inside[..., None, None], win, x))
+    return out[0], out[1]
 
 
 def paged_attention_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -164,6 +269,8 @@ def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale
     group = q.shape[1] // hkv
     k, v = gather_kv(layer, meta.decode_slots.view(-1), torch.float32)
     k, v = k.view(bd, lmax, hkv, d), v.view(bd, lmax, hkv, d)                  # [Bd, L, Hkv, D]
+    if layer.fmt.window:
+        k, v = window_overlay(layer, meta, k, v, meta.seq_lens_k[:bd])
     qs = q.view(bd, hkv, group, d).float()                                     # [Bd, Hkv, G, D]
     masked = ~meta.decode_mask[:, 0]                                            # [Bd, 1, L]
     out = torch.empty(bd, hkv, group, d, dtype=torch.float32, device=q.device)

@@ -12,6 +12,8 @@ reference. A CUDA backend (Triton / flash-attn) slots in beside them.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import kv_quant_native, paged_decode
@@ -29,8 +31,10 @@ class TorchKernels:
     def copy_page_prefix(self, layers: list[LayerKV], src_page: int, dst_page: int, num_tokens: int) -> None:
         copy_page_prefix_torch(layers, src_page, dst_page, num_tokens)
 
-    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return attend(q, layer, meta, scale)
+    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """k, v: the forward's new K/V (needed by formats with a recent-token window)."""
+        return attend(q, layer, meta, scale, k=k, v=v)
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         """Which implementation runs each op for a cache in `fmt` (recorded in run manifests)."""
@@ -43,10 +47,11 @@ class NativeCpuKernels(TorchKernels):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
         kv_quant_native.write_kv_native(k, v, layer, slot_mapping)
 
-    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
         native = meta.num_decode and paged_decode.supported(q, layer)
         return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
-                      kv_quant_native.rotate_native)
+                      kv_quant_native.rotate_native, k, v)
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         out = super().describe(fmt)

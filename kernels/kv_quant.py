@@ -76,7 +76,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, rotation: bool) -> tup
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """(codes, scales) -> float32 [..., D], still in the rotated domain when it was rotated."""
     if bits == 4:                       # [..., D/G, G/2] bytes -> [..., D/G, G] codes
-        g = codes.reshape(*codes.shape[:-1], -1, group_size // 2)
+        g = codes.reshape(*codes.shape[:-1], codes.shape[-1] * 2 // group_size, group_size // 2)
         codes = torch.cat([g & 15, g >> 4], dim=-1).flatten(-2)                 # [..., D]
     d = codes.shape[-1]
     values = codes.to(torch.int16).sub_(OFFSET[bits]).float()

@@ -5,6 +5,9 @@
     layer       LayerKV      read in place: floats converted and codes dequantized a block of
                              head rows at a time into an L1-sized buffer (no copy of the context)
     page_table  [B, max_pages] int32, seq_lens [B] int32
+    window      formats with a recent-token window: each sequence reads positions from its
+                window start on from its block of the store (layer.wk / layer.wv), rows
+                pos - start (window_slots / window_starts [B] int32)
 Same contract as the torch reference `kernels.attention.decode_torch`.
 """
 from __future__ import annotations
@@ -31,7 +34,9 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.paged_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32,       # q, k, v, scales, kinds, group
                                      ptr, i32, ptr, ptr,                            # table, width, lens, out
                                      i32, i32, i32, i32, i32, ctypes.c_float,       # B, Hq, Hkv, D, S, scale
-                                     ptr, i32, i32]                                 # scratch, lmax, threads
+                                     ptr, i32, i32,                                 # scratch, lmax, threads
+                                     ptr, ptr, i32, i32, ptr, ptr]                  # window store, kind, rows,
+        #                                                                             slots, starts
         lib._evalrun_typed = True
     return lib
 
@@ -66,20 +71,41 @@ def supported(q: torch.Tensor, layer: LayerKV) -> bool:
         shapes_ok = all(got[name] is not None and tuple(got[name].shape) == (*lead, *shape)
                         and got[name].dtype == dtype for name, (shape, dtype) in want.items())
         shapes_ok = shapes_ok and all(got[name] is None for name in got if name not in want)
-    on_cpu = q.device.type == "cpu" and all(t.device.type == "cpu" for t in layer.tensors())
-    return shapes_ok and on_cpu and all(t.is_contiguous() for t in layer.tensors()) and available()
+    if shapes_ok and layer.fmt.window:
+        shapes_ok = all(t is not None and tuple(t.shape[1:]) == (layer.fmt.window, hkv, d)
+                        and t.dtype in _FLOAT_KINDS for t in (layer.wk, layer.wv))
+    tensors = layer.tensors() + layer.window_tensors()
+    on_cpu = q.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors)
+    return shapes_ok and on_cpu and all(t.is_contiguous() for t in tensors) and available()
 
 
 def decode_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The decode group of a batch whose metadata build_metadata checked (a `DecodeFn`)."""
     nd = meta.num_decode
-    return _call(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale)
+    window = None if not layer.fmt.window else (meta.window_slots[:nd], meta.window_starts[:nd])
+    return _call(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale, window)
+
+
+def check_window(layer: LayerKV, seq_lens: torch.Tensor, window: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Window blocks within the store and every position read from it within a block."""
+    if not layer.fmt.window:
+        return
+    if window is None:
+        raise ValueError(f"cache mode {layer.fmt.name} reads a recent-token window: pass window_slots and starts")
+    slots, starts = window
+    if slots.shape != seq_lens.shape or starts.shape != seq_lens.shape:
+        raise ValueError("window slots and starts need one entry per sequence")
+    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= layer.window_slots):
+        raise ValueError(f"window slots must lie in [0, {layer.window_slots})")
+    if len(starts) and (bool((starts < 0).any()) or bool((seq_lens.long() - starts.long() > layer.fmt.window).any())):
+        raise ValueError(f"window starts must be >= 0 and within {layer.fmt.window} of the sequence length")
 
 
 def paged_decode_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D] in q's dtype, float32 math. Page ids and lengths are
-    checked against the cache and the table before the C code reads them."""
+                        seq_lens: torch.Tensor, scale: float,
+                        window: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] in q's dtype, float32 math. Page ids, lengths and window
+    rows are checked against the cache, the table and the store before the C code reads them."""
     if not available():
         raise RuntimeError("the native paged decode kernel is not available (see kernels.native)")
     if not supported(q, layer):
@@ -90,11 +116,12 @@ def paged_decode_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tenso
         raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
                          f"do not match {b} sequences")
     check_pages(page_table, seq_lens, layer.page_size, layer.k.shape[0] - 1)
-    return _call(q, layer, page_table, seq_lens, scale)
+    check_window(layer, seq_lens, window)
+    return _call(q, layer, page_table, seq_lens, scale, window)
 
 
 def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
-          scale: float) -> torch.Tensor:
+          scale: float, window: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     b, hq, d = q.shape
     s, hkv = layer.page_size, layer.num_kv_heads
     if b == 0:
@@ -110,10 +137,17 @@ def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: t
     out = torch.empty(b, hq, d, dtype=torch.float32)
     k_kind, v_kind = _kinds(layer)
     ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
+    win_slots = win_starts = None
+    w_kind, rows = 0, 0
+    if layer.fmt.window:
+        win_slots, win_starts = (t.to(torch.int32).contiguous() for t in window)
+        w_kind, rows = _FLOAT_KINDS[layer.wk.dtype], layer.fmt.window
     rc = _lib().paged_decode(qf.data_ptr(), layer.k.data_ptr(), layer.v.data_ptr(), ptr(layer.k_scale),
                              ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size,
                              table.data_ptr(), table.shape[1], lens.data_ptr(), out.data_ptr(),
-                             b, hq, hkv, d, s, scale, scratch.data_ptr(), lmax, threads)
+                             b, hq, hkv, d, s, scale, scratch.data_ptr(), lmax, threads,
+                             ptr(layer.wk if layer.fmt.window else None), ptr(layer.wv if layer.fmt.window else None),
+                             w_kind, rows, ptr(win_slots), ptr(win_starts))
     if rc != 0:
         raise ValueError(f"native paged decode does not support Hq={hq}, Hkv={hkv}, D={d}, "
                          f"format {layer.fmt.name}")

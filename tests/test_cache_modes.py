@@ -23,11 +23,12 @@ def model(tiny_kv32_dir: Path) -> Model:
     return Model.load(tiny_kv32_dir, dtype="float32")
 
 
-def _allocated_bytes(cache: PagedCache) -> int:
-    """Counted here from the tensors themselves, not through the cache's own accounting."""
+def _allocated_bytes(cache: PagedCache, names: tuple[str, ...] = ("k", "v", "k_scale", "v_scale")) -> int:
+    """Counted here from the tensors themselves, not through the cache's own accounting
+    (default: the page storage; ("wk", "wv"): the recent-token window store)."""
     seen = {}
     for layer in cache.layers:
-        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+        for t in (getattr(layer, name) for name in names):
             if t is not None:
                 seen[t.data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
@@ -38,7 +39,9 @@ def test_bytes_per_token_from_the_allocated_tensors(model, mode):
     fp16 = PagedCache(model, max_tokens=64 * 16, page_size=16, mode="fp16")
     cache = PagedCache(model, max_tokens=64 * 16, page_size=16, mode=mode)
     slots = (cache.num_pages + 1) * cache.page_size
-    assert _allocated_bytes(cache) == cache.memory_bytes()
+    window = _allocated_bytes(cache, ("wk", "wv"))
+    assert window == cache.window_memory_bytes() > 0          # one exact block per running job
+    assert _allocated_bytes(cache) + window == cache.memory_bytes()
     assert cache.bytes_per_token() == _allocated_bytes(cache) / slots
     cfg = model.config
     assert cache.bytes_per_token() == KV_FORMATS[mode].bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -47,10 +50,13 @@ def test_bytes_per_token_from_the_allocated_tensors(model, mode):
     assert cache.k[0].dtype == torch.uint8 and cache.layers[0].k_scale.dtype == torch.float16
 
 
-def test_same_memory_holds_3_4x_the_tokens_in_q4(model):
-    memory = 4 * 2**20
+@pytest.mark.parametrize("memory,window", [(4 * 2**20, 0), (16 * 2**20, None)])
+def test_same_memory_holds_3_4x_the_tokens_in_q4(model, memory, window):
+    """The window store (64 running jobs x one block, fp16) comes out of the same budget: a
+    fixed cost that the pages outgrow (at 16 MiB it is 3% of this tiny model's cache)."""
     fp16 = PagedCache(model, page_size=16, mode="fp16", max_memory=memory)
-    q4 = PagedCache(model, page_size=16, mode="q4", max_memory=memory)
+    q4 = PagedCache(model, page_size=16, mode="q4", max_memory=memory, window=window)
+    assert q4.window == (16 if window is None else 0)
     assert q4.max_tokens >= 3.4 * fp16.max_tokens, (q4.max_tokens, fp16.max_tokens)
     for cache in (fp16, q4):
         assert cache.memory_bytes() <= memory < cache.memory_bytes() + cache.page_size * cache.bytes_per_token()
@@ -120,7 +126,12 @@ def test_mmlu_under_eviction_in_q4_predicts_what_a_large_cache_does(tiny_kv32_di
     # the tiny model: 2 layers x 2 KV heads x (16 + 16 + 2 + 2) bytes = 144 bytes a token
     assert _mmlu(tiny_kv32_dir, small, *common, "--cache-memory", str(144 * 16 * 60)) == 0
     manifests = [json.loads((d / "manifest.json").read_text()) for d in (large, small)]
-    assert manifests[1]["cache_tokens"] == 16 * 59 < manifests[0]["cache_tokens"]
+    # the window store (16 tokens x 2 layers x 2 heads x 32 values x K,V in fp16 = 8 KiB a
+    # running job; by default at most 1/16 of the memory: one job here) comes off the budget
+    m = manifests[1]
+    assert m["cache_window"] == 16 and m["cache_window_bytes_per_job"] == 8192 and m["cache_window_jobs"] == 1
+    assert m["cache_tokens"] == 16 * ((144 * 16 * 60 - 8192) // (144 * 16) - 1) < manifests[0]["cache_tokens"]
+    assert m["cache_memory_bytes"] <= 144 * 16 * 60
     assert manifests[1]["cache_bytes_per_token"] == 144 and manifests[1]["cache_mode"] == "q4"
     summary = json.loads((small / "summary.json").read_text())
     assert summary["this_session"]["generator"]["pages_evicted"] > 0

@@ -10,7 +10,10 @@ import torch
 from kernels.attention import build_metadata, paged_attention_torch
 from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
 from kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
-from kernels.kv_format import KV_FORMATS, LayerKV
+from kernels.kv_format import KV_FORMATS, LayerKV, kv_format
+
+# page storage alone: the formats without their recent-token window (that: tests/test_kv_window.py)
+PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
 
 HQ, HKV, D = 6, 2, 16
 CPU = torch.device("cpu")
@@ -30,7 +33,7 @@ def _naive(q, k, v, scale):
 
 def _scatter(contexts, page_size, num_pages, g):
     """Place each context's K/V on random distinct pages of a NaN-filled fp32 cache."""
-    layer = LayerKV.allocate(KV_FORMATS["fp32"], num_pages + 1, page_size, HKV, D, CPU)
+    layer = LayerKV.allocate(PAGE_FORMATS["fp32"], num_pages + 1, page_size, HKV, D, CPU)
     layer.k[:num_pages] = float("nan")
     layer.v[:num_pages] = float("nan")
     perm = torch.randperm(num_pages, generator=g).tolist()
@@ -89,7 +92,7 @@ def test_copy_page_prefix_copies_only_the_prefix():
 
 @pytest.mark.parametrize("mode,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_write_kv_casts_to_storage_dtype(mode, dtype):
-    layer = LayerKV.allocate(KV_FORMATS[mode], 3, 4, HKV, D, CPU)
+    layer = LayerKV.allocate(PAGE_FORMATS[mode], 3, 4, HKV, D, CPU)
     assert layer.k.dtype == layer.v.dtype == dtype and layer.k_scale is None
     k, v = torch.randn(2, HKV, D), torch.randn(2, HKV, D)
     write_kv(k, v, layer, torch.tensor([5, 0]))

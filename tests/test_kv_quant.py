@@ -11,8 +11,11 @@ import torch
 
 from kernels.attention import build_metadata, paged_attention_torch
 from kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
-from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV
+from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
 from kernels.kv_quant import dequantize, hadamard, quantize, rotate
+
+# page storage alone: the formats without their recent-token window (that: tests/test_kv_window.py)
+PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
 
 G = 32                                   # the group size of every KV_FORMATS entry
 QMAX = {8: 127, 4: 7}
@@ -200,7 +203,7 @@ def test_zero_scales_and_the_null_page_read_as_zero(bits):
 
 @pytest.mark.parametrize("mode", QUANTIZED)
 def test_null_page_of_an_allocated_cache_gathers_zeros(mode):
-    layer = LayerKV.allocate(KV_FORMATS[mode], 3, 4, 2, 64, CPU)
+    layer = LayerKV.allocate(PAGE_FORMATS[mode], 3, 4, 2, 64, CPU)
     for t in layer.data_tensors():
         t[:2] = float("nan")
     k, v = gather_kv(layer, torch.arange(8, 12), torch.float32)             # page 2, the null page
@@ -231,7 +234,7 @@ def _unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tenso
 def test_attention_over_quantized_pages_matches_dense_dequantized(mode):
     """paged_attention_torch (q rotated in, output rotated out, decode and prefill paths)
     equals float64 attention over the cache's codes dequantized and unrotated here."""
-    fmt = KV_FORMATS[mode]
+    fmt = PAGE_FORMATS[mode]
     hq, hkv, d, page_size, num_pages = 4, 2, 64, 4, 24
     g = torch.Generator().manual_seed(len(mode) + fmt.v_bits)
     q_lens, k_lens = [1, 1, 6, 9], [5, 14, 6, 21]
@@ -267,7 +270,7 @@ def test_attention_over_quantized_pages_matches_dense_dequantized(mode):
 
 @pytest.mark.parametrize("mode", QUANTIZED)
 def test_write_kv_writes_only_its_slots(mode):
-    fmt = KV_FORMATS[mode]
+    fmt = PAGE_FORMATS[mode]
     layer = LayerKV.allocate(fmt, 4, 4, 2, 64, CPU)
     for t in layer.data_tensors():
         t.fill_(float("nan"))
@@ -294,7 +297,7 @@ def test_copy_page_prefix_copies_codes_and_scales_of_the_prefix(mode):
     g = torch.Generator().manual_seed(4)
     layers = []
     for _ in range(2):
-        layer = LayerKV.allocate(KV_FORMATS[mode], 5, 8, 2, 64, CPU)
+        layer = LayerKV.allocate(PAGE_FORMATS[mode], 5, 8, 2, 64, CPU)
         for t in layer.tensors():
             if t.dtype == torch.uint8:
                 t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
@@ -317,8 +320,8 @@ def test_copy_page_prefix_copies_codes_and_scales_of_the_prefix(mode):
 @pytest.mark.parametrize("mode", QUANTIZED)
 def test_quantized_formats_need_whole_groups(mode):
     with pytest.raises(ValueError, match="not divisible"):
-        LayerKV.allocate(KV_FORMATS[mode], 2, 4, 2, 48, CPU)
-    layer = LayerKV.allocate(KV_FORMATS[mode], 2, 4, 2, 96, CPU)
+        LayerKV.allocate(PAGE_FORMATS[mode], 2, 4, 2, 48, CPU)
+    layer = LayerKV.allocate(PAGE_FORMATS[mode], 2, 4, 2, 96, CPU)
     assert layer.head_dim == 96 and layer.k_scale.shape == (2, 4, 2, 3)
     assert layer.memory_bytes() == KV_FORMATS[mode].bytes_per_token(1, 2, 96) * 2 * 4
 
@@ -374,7 +377,7 @@ def test_native_quantize_on_write_is_the_reference_bit_for_bit(monkeypatch, mode
     written only to the given slots; a group holding a NaN reads NaN in both."""
     import dataclasses
     nq = _need_native_quant(monkeypatch)
-    fmt = dataclasses.replace(KV_FORMATS[mode], rotate=rotation)
+    fmt = dataclasses.replace(PAGE_FORMATS[mode], rotate=rotation)
     g = torch.Generator().manual_seed(4)
     k = torch.randn(70, 3, 64, generator=g) * 3
     v = torch.randn(70, 3, 64, generator=g)
@@ -411,7 +414,7 @@ def test_native_backend_writes_and_rotates_natively_for_code_formats(monkeypatch
     backend = NativeCpuKernels()
     assert backend.describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
     assert backend.describe(KV_FORMATS["fp32"])["kv_write"] == "torch"
-    layer = LayerKV.allocate(KV_FORMATS["q4"], 5, 8, 2, 64, torch.device("cpu"))
+    layer = LayerKV.allocate(PAGE_FORMATS["q4"], 5, 8, 2, 64, torch.device("cpu"))
     backend.write_kv(torch.randn(20, 2, 64), torch.randn(20, 2, 64), layer, torch.arange(20))
     meta = build_metadata([1, 3], [9, 11], [[0, 1], [2, 3]], 8, 4, torch.device("cpu"))
     assert torch.isfinite(backend.attention(torch.randn(4, 4, 64), layer, meta, 0.125)).all()

@@ -13,6 +13,10 @@
  *   page_table  [B, max_pages]      int32
  *   seq_lens    [B]                 int32 context length (the new token included)
  *   out         [B, Hq, D]          float32
+ *   wk, wv      [J, WW, Hkv, D]     optional recent-token window store (kinds 0-2; NULL: none):
+ *   win_slot    [B]                 int32 block of the store of each sequence, and
+ *   win_start   [B]                 int32 first position read from it (row pos - win_start);
+ *                                   positions before it are read from the pages
  *   scratch     [nthreads, SCRATCH(Hq, Hkv, D, lmax)] float32, lmax >= max(seq_lens):
  *               per thread the scores [Hq, lmax], the V sums [Hq, D], up to 64 converted
  *               head rows [64, D] and the softmax normalisers [Hq] (heap, not thread stacks)
@@ -53,6 +57,9 @@ typedef struct {
     float scale;
     float *scratch;
     int lmax, nthreads, tid;
+    const void *wk, *wv;
+    int w_kind, WW;
+    const int32_t *win_slot, *win_start;
     atomic_int *next_task;         /* shared: tasks are claimed one by one, so a thread on a
                                       busy core does not hold the others up */
 } Args;
@@ -156,12 +163,23 @@ static inline const float *load_head(const void *cache, const uint16_t *scales, 
     }
 }
 
-/* rows[p] = head h of positions p0 .. p0 + n - 1 through the page table (see load_head). Returns n. */
+/* A sequence's window: positions >= start are row base + pos - start of `store` (kind). */
+typedef struct {
+    const void *store;
+    int kind, start;
+    int64_t base;
+} Window;
+
+/* rows[p] = head h of positions p0 .. p0 + n - 1 through the page table or the window (see
+ * load_head). Returns n. */
 static inline int load_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages,
-                            int S, int p0, int n, int h, int D, int W, float *buf, const float **rows) {
+                            int S, int p0, int n, int h, int D, int W, float *buf, const float **rows,
+                            const Window *win) {
     for (int p = 0; p < n; p++) {
         const int pos = p0 + p;
-        rows[p] = load_head(cache, scales, kind, G, (int64_t)pages[pos / S] * S + pos % S, h, D, W, buf + (int64_t)p * D);
+        rows[p] = pos >= win->start
+            ? load_head(win->store, NULL, win->kind, G, win->base + pos - win->start, h, D, W, buf + (int64_t)p * D)
+            : load_head(cache, scales, kind, G, (int64_t)pages[pos / S] * S + pos % S, h, D, W, buf + (int64_t)p * D);
     }
     return n;
 }
@@ -243,10 +261,13 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     }
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     const float *rows[VBLOCK];
+    Window wk = {a->wk, a->w_kind, a->wk ? a->win_start[b] : L, a->wk ? (int64_t)a->win_slot[b] * a->WW : 0};
+    Window wv = wk;
+    wv.store = a->wv;
     for (int h = 0; h < Hkv; h++) {
         for (int p0 = 0; p0 < L; p0 += BLOCK) {
             const int n = load_rows(a->k, a->k_scale, a->k_kind, a->G, pages, S, p0, L - p0 < BLOCK ? L - p0 : BLOCK,
-                                    h, D, W, rowbuf, rows);
+                                    h, D, W, rowbuf, rows, &wk);
             for (int g = 0; g < Gq; g++) {
                 const int hq = h * Gq + g;
                 dots(q + (int64_t)hq * D, rows, n, D, scores + hq * lmax + p0);
@@ -263,7 +284,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         }
         for (int p0 = 0; p0 < L; p0 += VBLOCK) {
             const int n = load_rows(a->v, a->v_scale, a->v_kind, a->G, pages, S, p0, L - p0 < VBLOCK ? L - p0 : VBLOCK,
-                                    h, D, W, rowbuf, rows);
+                                    h, D, W, rowbuf, rows, &wv);
             for (int g = 0; g < Gq; g++) {
                 const int hq = h * Gq + g;
                 axpys(acc + (int64_t)hq * D, scores + hq * lmax + p0, rows, n, D);
@@ -285,14 +306,16 @@ static void *worker(void *p) {
     return NULL;
 }
 
-/* Returns 0 on success, 1 on shapes it cannot take. The caller checks page ids and
- * lengths against the cache and the table (kernels/attention.py). */
+/* Returns 0 on success, 1 on shapes it cannot take. The caller checks page ids, lengths
+ * and window rows against the cache, the table and the store (kernels/paged_decode.py). */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache,
                  const uint16_t *k_scale, const uint16_t *v_scale, int k_kind, int v_kind, int G,
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,
                  int B, int Hq, int Hkv, int D, int S, float scale, float *scratch, int lmax,
-                 int nthreads) {
+                 int nthreads, const void *wk, const void *wv, int w_kind, int WW,
+                 const int32_t *win_slot, const int32_t *win_start) {
     if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1) return 1;
+    if (wk && (!wv || !win_slot || !win_start || WW < 1 || w_kind < KIND_F32 || w_kind > KIND_F16)) return 1;
     for (int i = 0; i < 2; i++) {
         const int kind = i ? v_kind : k_kind;
         const int quantized = kind == KIND_Q8 || kind == KIND_Q4;
@@ -306,7 +329,8 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache,
     atomic_int next_task = 0;
     for (int t = 0; t < nthreads; t++) {
         args[t] = (Args){q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens, out,
-                         B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, t, &next_task};
+                         B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, t, wk, wv, w_kind, WW,
+                         win_slot, win_start, &next_task};
     }
     int started = 0;
     for (int t = 1; t < nthreads; t++) {
