@@ -121,7 +121,8 @@ class KVFormat:
 KV_FORMATS: dict[str, KVFormat] = {
     **{name: KVFormat(name, dtype=dt) for name, dt in FLOAT_DTYPES.items()},
     "q8": KVFormat("q8", k_bits=8, v_bits=8, rotate=True, window=DEFAULT_WINDOW),
-    "q6": KVFormat("q6", k_bits=8, v_bits=4, rotate=True, window=DEFAULT_WINDOW),  # 8-bit K, 4-bit V (as ExLlamaV2's Q6)
+    # q6: 8-bit K, 4-bit V (as ExLlamaV2's Q6)
+    "q6": KVFormat("q6", k_bits=8, v_bits=4, rotate=True, window=DEFAULT_WINDOW),
     "q4": KVFormat("q4", k_bits=4, v_bits=4, rotate=True, window=DEFAULT_WINDOW),
 }
 

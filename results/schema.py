@@ -89,7 +89,10 @@ class Manifest(TypedDict, total=False):
     page_size: int
     cache_tokens: int  # tokens the cache holds (from --cache-tokens, or what --cache-memory fits)
     cache_bytes_per_token: int  # KV storage per token over all layers, scales included
-    cache_memory_bytes: int  # the cache's allocation, null page included
+    cache_memory_bytes: int  # the cache's allocation, null page and window store included
+    cache_window: int  # q8/q6/q4: tokens of the current block attended exactly (0: none)
+    cache_window_jobs: int  # running jobs the window store holds (0 without a window)
+    cache_window_bytes_per_job: int  # the window store of one job over all layers (fp16 K and V)
     cache_format: str  # e.g. "q4: 4-bit K, 4-bit V, one fp16 scale per 32 values, 32-point Hadamard rotation"
     kernels: dict[str, str]  # {"linear", "backend", "kv_write", "decode_attention", "prefill_attention"}: what ran
     sandbox: dict[str, Any]  # humaneval: the isolation level in force and what it does not isolate

@@ -6,15 +6,16 @@ block, decode steps) for both kernel backends; then the engine rules that keep i
 (reuse stops at a block boundary, one store block per running job) and the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import greedy_jobs, logit_atol, make_generator, random_prompts, run_jobs
+from engine_helpers import greedy_jobs, logit_atol, random_prompts, run_jobs
 
-from engine import DynamicJob, Model, PagedCache
+from engine import DynamicGenerator, Model, PagedCache
 from evalrun.cli import main
 from kernels import paged_decode
 from kernels.attention import build_metadata
@@ -115,13 +116,8 @@ def test_the_window_changes_what_is_read():
     q, k, v = torch.randn(4, 64, generator=g), torch.randn(20, 2, 64, generator=g), torch.randn(20, 2, 64, generator=g)
     plain = kv_format(fmt, window=0)
     with_window = _reference(q, k, v, 19, fmt, 0.125)
-    codes_only = _reference(q, k, v, 19, dataclasses_replace(plain, window=10**6), 0.125)   # all exact
-    assert not torch.allclose(with_window, codes_only, atol=1e-3)
-
-
-def dataclasses_replace(fmt: KVFormat, **kw) -> KVFormat:
-    import dataclasses
-    return dataclasses.replace(fmt, **kw)
+    all_exact = _reference(q, k, v, 19, dataclasses.replace(plain, window=10**6), 0.125)
+    assert not torch.allclose(with_window, all_exact, atol=1e-3)
 
 
 # --- the engine -------------------------------------------------------------------------
@@ -149,8 +145,7 @@ def test_reuse_stops_at_a_block_boundary(model):
     torch.testing.assert_close(got["all_logits"], alone["all_logits"], atol=logit_atol("q4"), rtol=0)
 
 
-def make_generator_from(model: Model, cache: PagedCache, **kw):
-    from engine import DynamicGenerator
+def make_generator_from(model: Model, cache: PagedCache, **kw) -> DynamicGenerator:
     return DynamicGenerator(model, cache, **kw)
 
 
