@@ -50,11 +50,12 @@ def pages_for_memory(max_memory: int, page_size: int, bytes_per_token: int, mode
 
 def resolve_format(mode: "str | KVFormat", page_size: int, window: Optional[int] = None) -> KVFormat:
     """The format a cache of this mode and page size uses: `window` overrides the format's
-    recent-token window; the default one is fitted to the page (gcd), an explicit one must tile it."""
+    recent-token window; a mode name's default one is fitted to the page (gcd), an explicit one
+    (or a KVFormat's) must tile it."""
     fmt = kv_format(mode, window)
     if not isinstance(page_size, int) or page_size <= 0:
         raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
-    if window is None and fmt.window and page_size % fmt.window:
+    if window is None and isinstance(mode, str) and fmt.window and page_size % fmt.window:
         fmt = kv_format(fmt, math.gcd(fmt.window, page_size))
     fmt.check_page_size(page_size)
     return fmt
@@ -84,8 +85,9 @@ def plan_cache(cfg: "ModelConfig", mode: "str | KVFormat", page_size: int = 256,
                max_memory: Optional[int] = None, max_jobs: Optional[int] = None,
                window: Optional[int] = None) -> CachePlan:
     """Size a cache; ValueError names what is wrong. The default window (a format's own) is
-    fitted to the page (gcd); the default number of window slots is DEFAULT_WINDOW_JOBS, at
-    most the pages (a running job holds one) and, sized by memory, at most 1/16 of it."""
+    fitted to the page (gcd); the number of window slots is max_jobs (default
+    DEFAULT_WINDOW_JOBS), at most the pages (a running job holds one) and, by default when
+    sized by memory, at most 1/16 of it."""
     fmt = resolve_format(mode, page_size, window)
     fmt.check_head_dim(cfg.head_dim)
     fmt.check_page_size(page_size)
@@ -103,14 +105,19 @@ def plan_cache(cfg: "ModelConfig", mode: "str | KVFormat", page_size: int = 256,
             raise ValueError(f"cache memory of {max_memory} bytes is too small: in mode {fmt.name} the "
                              f"exact window of {fmt.window} tokens for {slots} running jobs "
                              f"alone takes {slots * per_job} bytes")
-        num_pages = pages_for_memory(max_memory - slots * per_job, page_size, per_token, fmt.name)
+        try:
+            num_pages = pages_for_memory(max_memory - slots * per_job, page_size, per_token, fmt.name)
+        except ValueError as exc:
+            if not slots:
+                raise
+            raise ValueError(f"{exc} (of the {max_memory} bytes given, the exact window of {fmt.window} tokens "
+                             f"for {slots} running jobs takes {slots * per_job})") from None
     else:
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         if not isinstance(max_tokens, int) or max_tokens < page_size:
             raise ValueError(f"max_tokens ({max_tokens!r}) must be an integer >= page_size ({page_size})")
         num_pages = max_tokens // page_size
-    if fmt.window and max_jobs is None:
-        slots = min(slots, num_pages)
+    slots = min(slots, num_pages)          # a running job holds a page: more slots are never used
     return CachePlan(fmt, page_size, num_pages, slots, per_token, per_job)
 
 

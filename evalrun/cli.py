@@ -104,11 +104,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="q8/q6/q4: attend each token's current block of this many recent tokens exactly "
                         "(fp16, one block per running job) and only older ones through the codes; 0 turns it "
                         "off (the plain ExLlamaV2 scheme). Must divide --page-size (default: 128, or its greatest "
-                        "common divisor with the page size)")
+                        "common divisor with the page size; a resumed run keeps its stored window)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default: 256)")
     p.add_argument("--max-batch-size", "--batch-size", "--batch_size", dest="max_batch_size", type=_batch_size,
                    help="most jobs running at once; lm-eval's --batch_size is accepted, 'auto' included "
-                        "(default: auto, as many as the cache holds)")
+                        "(default: auto, as many as the cache holds; with a q8/q6/q4 window at most the window "
+                        "store's jobs: 64, or fewer when --cache-memory is small)")
     p.add_argument("--max-chunk-size", type=int, default=2048, help="tokens per forward pass (default: 2048)")
 
 

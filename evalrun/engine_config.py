@@ -66,8 +66,11 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
     except SettingError as exc:
         raise BadInput(str(exc)) from None
     tokens, memory = args.cache_tokens, getattr(args, "cache_memory", None)
+    window = getattr(args, "cache_window", None)
+    if window is None and stored is not None and CACHE_MODES[cache.value].quantized:
+        window = kept.get("cache_window", 0)       # resume as stored (a run from before windows: 0)
     return EngineConfig(device.value, dtype.value, cache.value, tokens, memory, args.page_size,
-                        args.max_batch_size, args.max_chunk_size, getattr(args, "cache_window", None),
+                        args.max_batch_size, args.max_chunk_size, window,
                         {"device": device, "dtype": dtype, "cache_mode": cache})
 
 

@@ -82,6 +82,8 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
                    window_slots: Optional[list[int]] = None) -> AttentionMetadata:
     """Sequences with q_len == 1 must come first (the decode group). A windowed cache
     passes its window and each sequence's block of the store."""
+    if window and (window_slots is None or len(window_slots) != len(q_lens) or any(w is None for w in window_slots)):
+        raise ValueError("a windowed cache needs one window slot per sequence")
     num_decode = 0
     while num_decode < len(q_lens) and q_lens[num_decode] == 1:
         num_decode += 1
@@ -103,8 +105,6 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
                                   window_slots[b] if window else -1))
     win_slots = win_starts = None
     if window:
-        if window_slots is None or len(window_slots) != len(q_lens) or any(w is None for w in window_slots):
-            raise ValueError("a windowed cache needs one window slot per sequence")
         win_slots = torch.tensor(window_slots, dtype=torch.int32, device=device)
         win_starts = ((lens - 1).clamp(min=0) // window * window).to(device)
     return AttentionMetadata(
@@ -165,8 +165,9 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
                              f"needs the new k and v and metadata built with that window (got {meta.window})")
         fresh = window_values(k, v, layer, rotation)
         if meta.num_decode:
-            store_window(layer, fresh, torch.arange(meta.num_decode), meta.seq_lens_k[: meta.num_decode] - 1,
-                         meta.window_slots[: meta.num_decode])
+            nd = meta.num_decode
+            store_window(layer, fresh, torch.arange(nd, device=q.device), meta.seq_lens_k[:nd] - 1,
+                         meta.window_slots[:nd])
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
@@ -185,7 +186,7 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
             length = seq.slots.shape[0]
             first = max(length - seq.q_len, length // fmt.window * fmt.window)
             if first < length:
-                pos = torch.arange(first, length)
+                pos = torch.arange(first, length, device=q.device)
                 store_window(layer, fresh, pos - (length - seq.q_len) + seq.q_start, pos,
                              torch.full_like(pos, seq.window_slot))
     return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out

@@ -43,7 +43,7 @@ def _exact(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, fmt: KVFormat, scale: float) -> torch.Tensor:
     """Output of query position t [Hq, D] over keys 0..t of one sequence (k, v [L, Hkv, D])."""
-    start = t // fmt.window * fmt.window
+    start = t // fmt.window * fmt.window if fmt.window else t + 1           # window 0: all through the codes
     kk = torch.cat([_through_codes(k[:start], fmt.k_bits, fmt), _exact(k[start: t + 1], fmt)])
     vv = torch.cat([_through_codes(v[:start], fmt.v_bits, fmt), _exact(v[start: t + 1], fmt)])
     group = q.shape[0] // k.shape[1]
@@ -114,9 +114,10 @@ def test_the_window_changes_what_is_read():
     fmt = kv_format(KV_FORMATS["q4"], window=8)
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(4, 64, generator=g), torch.randn(20, 2, 64, generator=g), torch.randn(20, 2, 64, generator=g)
-    plain = kv_format(fmt, window=0)
     with_window = _reference(q, k, v, 19, fmt, 0.125)
-    all_exact = _reference(q, k, v, 19, dataclasses.replace(plain, window=10**6), 0.125)
+    codes_only = _reference(q, k, v, 19, kv_format(fmt, window=0), 0.125)
+    all_exact = _reference(q, k, v, 19, dataclasses.replace(fmt, window=10**6), 0.125)
+    assert not torch.allclose(with_window, codes_only, atol=1e-3)
     assert not torch.allclose(with_window, all_exact, atol=1e-3)
 
 
@@ -185,6 +186,17 @@ def test_bad_window_settings_are_named(model, kwargs, needle):
         PagedCache(model, max_tokens=256, page_size=16, **kwargs)
 
 
+def test_window_slots_never_exceed_the_pages(model):
+    """A running job holds at least one page, so more store blocks than pages are never used."""
+    assert PagedCache(model, max_tokens=16 * 5, page_size=16, mode="q4", max_jobs=256).window_slots == 5
+    assert PagedCache(model, max_tokens=16 * 5, page_size=16, mode="q4").window_slots == 5
+
+
+def test_an_explicit_format_window_is_not_refitted(model):
+    with pytest.raises(ValueError, match="page size 16 is not a multiple of 24"):
+        PagedCache(model, max_tokens=256, page_size=16, mode=kv_format("q4", window=24))
+
+
 def test_default_window_is_fitted_to_the_page(model):
     assert KV_FORMATS["q4"].window == 128
     assert PagedCache(model, max_tokens=1024, page_size=256, mode="q4").window == 128
@@ -212,6 +224,8 @@ def test_cli_records_the_window_and_resumes_only_with_it(tiny_kv32_dir, tmp_path
     capsys.readouterr()
     assert _mmlu(tiny_kv32_dir, out, "--cache-mode", "q4", "--cache-window", "0") == 2
     assert "cache_window" in capsys.readouterr().err
+    assert _mmlu(tiny_kv32_dir, out, "--cache-mode", "q4") == 0             # resumed: the stored window
+    assert json.loads((out / "manifest.json").read_text())["identity"]["cache_window"] == 8
     fp = tmp_path / "fp"
     assert _mmlu(tiny_kv32_dir, fp, "--cache-mode", "fp32") == 0
     assert "cache_window" not in json.loads((fp / "manifest.json").read_text())["identity"]
@@ -226,3 +240,15 @@ def test_cli_bad_window_exits_2_naming_it(tiny_kv32_dir, tmp_path, capsys, argv,
     assert _mmlu(tiny_kv32_dir, tmp_path / "o", *argv) == 2
     err = capsys.readouterr().err
     assert needle in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_windowed_attention_keeps_every_tensor_on_the_cache_device():
+    """On the meta device (shapes only, no GPU needed) every op must find its operands on one
+    device: a CPU index tensor meeting a device cache fails here as it would on CUDA."""
+    dev = torch.device("meta")
+    layer = LayerKV.allocate(kv_format("q4", window=8), 5, 16, 2, 64, dev, window_slots=2)
+    for q_lens, lens in (([13], [13]), ([1, 5], [9, 21])):               # prefill; decode + prefill
+        q, k, v = (torch.empty(sum(q_lens), h, 64, device=dev) for h in (4, 2, 2))
+        meta = build_metadata(q_lens, lens, [[0, 1]] * len(lens), 16, 4, dev, window=8,
+                              window_slots=list(range(len(lens))))
+        assert TorchKernels().attention(q, layer, meta, 0.125, k, v).shape == (sum(q_lens), 4, 64)
