@@ -90,7 +90,6 @@ def plan_cache(cfg: "ModelConfig", mode: "str | KVFormat", page_size: int = 256,
     sized by memory, at most 1/16 of it."""
     fmt = resolve_format(mode, page_size, window)
     fmt.check_head_dim(cfg.head_dim)
-    fmt.check_page_size(page_size)
     if max_jobs is not None and (not isinstance(max_jobs, int) or max_jobs < 1):
         raise ValueError(f"max_jobs must be None or an integer >= 1, got {max_jobs!r}")
     per_token = fmt.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

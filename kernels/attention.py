@@ -53,6 +53,10 @@ class PrefillSeq:
     slots: torch.Tensor            # [L] slot ids of the whole context
     mask: Optional[torch.Tensor]   # [q_len, L] bool; None when q_len == L (plain causal)
     window_slot: int = -1          # block of the window store (windowed formats)
+    # windowed formats: keys are [codes of positions < (L-1)//W*W | exact values of positions
+    # >= start//W*W]; the mask [q_len, both] lets each query see the codes before its block
+    # and the exact values of its block up to itself
+    window_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -75,6 +79,10 @@ class AttentionMetadata:
     window: int = 0
     window_slots: Optional[torch.Tensor] = None
     window_starts: Optional[torch.Tensor] = None
+    # the same for every layer: (rows of the new K/V, flat rows of the store) that a forward
+    # stores: decode tokens before attention, prefill sequences' last partial block after
+    window_store_decode: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    window_store_prefill: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[list[int]],
@@ -102,11 +110,13 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         slots = _slots(table[b], seq_lens[b], page_size)
         prefill.append(PrefillSeq(int(cu[b]), q_lens[b], slots.to(device),
                                   _causal_mask(q_lens[b], seq_lens[b], device),
-                                  window_slots[b] if window else -1))
-    win_slots = win_starts = None
+                                  window_slots[b] if window else -1,
+                                  _window_mask(q_lens[b], seq_lens[b], window, device) if window else None))
+    win_slots = win_starts = store_decode = store_prefill = None
     if window:
         win_slots = torch.tensor(window_slots, dtype=torch.int32, device=device)
         win_starts = ((lens - 1).clamp(min=0) // window * window).to(device)
+        store_decode, store_prefill = _window_stores(q_lens, seq_lens, window_slots, num_decode, window, device)
     return AttentionMetadata(
         cu_seqlens_q=cu.to(device),
         cu_seqlens_k=torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device),
@@ -116,7 +126,35 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         decode_slots=None if decode_slots is None else decode_slots.to(device),
         decode_mask=None if decode_mask is None else decode_mask.to(device),
         prefill=prefill, window=window, window_slots=win_slots, window_starts=win_starts,
+        window_store_decode=store_decode, window_store_prefill=store_prefill,
     )
+
+
+def _window_mask(q_len: int, length: int, w: int, device: torch.device) -> torch.Tensor:
+    """PrefillSeq.window_mask: [q_len, (length-1)//w*w + length - start//w*w] bool."""
+    start = length - q_len
+    q_pos = torch.arange(start, length, device=device)[:, None]
+    block = q_pos // w * w
+    codes = torch.arange((length - 1) // w * w, device=device)[None] < block
+    exact = torch.arange(start // w * w, length, device=device)[None]
+    return torch.cat([codes, (exact >= block) & (exact <= q_pos)], dim=1)
+
+
+def _window_stores(q_lens: list[int], seq_lens: list[int], window_slots: list[int], num_decode: int,
+                   w: int, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """(rows, store rows) of the decode tokens and of each prefill sequence's last partial block."""
+    out = []
+    for group in (range(num_decode), range(num_decode, len(q_lens))):
+        rows, idx, q_start = [], [], sum(q_lens[: group.start])
+        for b in group:
+            start = seq_lens[b] - q_lens[b]
+            first = max(start, seq_lens[b] // w * w) if b >= num_decode else start
+            rows += range(q_start + first - start, q_start + q_lens[b])
+            idx += (window_slots[b] * w + p % w for p in range(first, seq_lens[b]))
+            q_start += q_lens[b]
+        out.append((torch.tensor(rows, dtype=torch.long, device=device),
+                    torch.tensor(idx, dtype=torch.long, device=device)))
+    return out[0], out[1]
 
 
 def _slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -164,10 +202,7 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
             raise ValueError(f"cache mode {fmt.name} attends a window of {fmt.window} tokens: attention "
                              f"needs the new k and v and metadata built with that window (got {meta.window})")
         fresh = window_values(k, v, layer, rotation)
-        if meta.num_decode:
-            nd = meta.num_decode
-            store_window(layer, fresh, torch.arange(nd, device=q.device), meta.seq_lens_k[:nd] - 1,
-                         meta.window_slots[:nd])
+        store_window(layer, fresh, *meta.window_store_decode)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
@@ -182,13 +217,7 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
                                            scale=scale, enable_gqa=True)
         out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     if fresh is not None:                     # after every read: a sequence's last partial block
-        for seq in meta.prefill:
-            length = seq.slots.shape[0]
-            first = max(length - seq.q_len, length // fmt.window * fmt.window)
-            if first < length:
-                pos = torch.arange(first, length, device=q.device)
-                store_window(layer, fresh, pos - (length - seq.q_len) + seq.q_start, pos,
-                             torch.full_like(pos, seq.window_slot))
+        store_window(layer, fresh, *meta.window_store_prefill)
     return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
 
 
@@ -204,36 +233,30 @@ def window_values(k: torch.Tensor, v: torch.Tensor, layer: LayerKV,
 
 
 def store_window(layer: LayerKV, fresh: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor,
-                 positions: torch.Tensor, slots: torch.Tensor) -> None:
-    """fresh[rows] -> window store block `slots`, row position % W."""
-    w = layer.fmt.window
-    idx = slots.long() * w + positions.long() % w
-    for store, x in zip(layer.window_tensors(), fresh):
-        store.view(-1, *store.shape[2:]).index_copy_(0, idx, x[rows.long()])
+                 store_rows: torch.Tensor) -> None:
+    """fresh[rows] -> the window store's flat rows (block * W + position % W)."""
+    if len(rows):
+        for store, x in zip(layer.window_tensors(), fresh):
+            store.view(-1, *store.shape[2:]).index_copy_(0, store_rows, x[rows])
 
 
 def _prefill_windowed(q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], layer: LayerKV,
                       seq: PrefillSeq, scale: float, out: torch.Tensor) -> None:
-    """One prefill sequence, block by block of query positions: keys before the block from
-    the codes, the block's own from the store (computed earlier) and this forward."""
+    """One prefill sequence in one SDPA call: the codes before its last block, then the exact
+    values from its first query's block on (from the store, computed earlier, and from this
+    forward); seq.window_mask picks for each query the codes before its block and the exact
+    values of its block."""
     w, dt = layer.fmt.window, q.dtype
     length = seq.slots.shape[0]
     start = length - seq.q_len                                          # first new position
-    first = start // w * w
-    deq_k, deq_v = gather_kv(layer, seq.slots[: (length - 1) // w * w], dt)           # before the last block
-    old = [t[seq.window_slot, : start - first].to(dt) for t in layer.window_tensors()]   # [start-first, Hkv, D]
-    new = [t[seq.q_start: seq.q_start + seq.q_len].to(dt) for t in fresh]
-    for bs in range(first, length, w):
-        qa, qe = max(bs, start), min(bs + w, length)
-        ks, vs = ([d[:bs], o if bs == first else o[:0], n[qa - start: qe - start]]
-                  for d, o, n in ((deq_k, old[0], new[0]), (deq_v, old[1], new[1])))
-        kk, vv = torch.cat(ks), torch.cat(vs)                                         # [qe, Hkv, D]
-        qs = q[seq.q_start + qa - start: seq.q_start + qe - start].transpose(0, 1)[None]
-        mask = _causal_mask(qe - qa, qe, q.device)
-        o = F.scaled_dot_product_attention(qs, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=True)
-        out[seq.q_start + qa - start: seq.q_start + qe - start] = o[0].transpose(0, 1)
+    span = slice(seq.q_start, seq.q_start + seq.q_len)
+    codes = gather_kv(layer, seq.slots[: (length - 1) // w * w], dt)
+    kv = [torch.cat([c, store[seq.window_slot, : start % w].to(dt), new[span].to(dt)])
+          for c, store, new in zip(codes, layer.window_tensors(), fresh)]               # [keys, Hkv, D]
+    o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
+                                       kv[1].transpose(0, 1)[None], attn_mask=seq.window_mask,
+                                       scale=scale, enable_gqa=True)
+    out[span] = o[0].transpose(0, 1)
 
 
 def window_overlay(layer: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
