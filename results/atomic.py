@@ -64,3 +64,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
     atomic_write(path, lambda f: pq.write_table(table, f))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))

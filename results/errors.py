@@ -13,3 +13,12 @@ class NotARunDirError(Exception):
 
 class RunDirBusyError(Exception):
     """Another open RunStore (in this or another process) holds the run dir's lock."""
+
+
+class RunReadError(Exception):
+    """A run directory cannot be read as a finished run (missing, corrupt, torn or unfinished);
+    the message starts with the directory."""
+
+
+class CompareError(Exception):
+    """Runs that cannot be compared (different tasks, no shared questions, bad options)."""

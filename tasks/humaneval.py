@@ -23,6 +23,7 @@ from engine import SamplerSettings
 from .base import Answer, DocPlan, Request, prompt_hash, register
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
+from .registry import HUMANEVAL
 from .sandbox import CheckSpec, ExecResult, Sandbox
 
 STOP_STRINGS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -97,7 +98,7 @@ def sample_seed(seed: int, task_id: str, sample_idx: int) -> int:
 @register("humaneval")
 class HumanEvalTask:
     name = "humaneval"
-    key_columns = ("task_id", "sample_idx")
+    key_columns = HUMANEVAL.key_columns                 # tasks/registry.py: what compare reads
     progress_metric = "passed"
 
     def __init__(self, data: HumanEvalData, settings: HumanEvalSettings, sandbox: Optional[Sandbox] = None):

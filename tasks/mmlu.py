@@ -18,6 +18,7 @@ import torch
 from .base import Answer, DocPlan, Request, TaskDataError, prompt_hash, register
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
 from .mmlu_groups import GROUPS, group_of
+from .registry import MMLU
 
 PROMPT_FORMAT = "lm-eval-mmlu-default"      # in the run identity: a change of format refuses a resume
 
@@ -37,7 +38,7 @@ def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
 @register("mmlu")
 class MMLUTask:
     name = "mmlu"
-    key_columns = ("subject", "doc_id")
+    key_columns = MMLU.key_columns                 # tasks/registry.py: what compare reads
 
     def __init__(self, data_dir: Optional[str] = None, subjects: Optional[Sequence[str]] = None,
                  limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None):
