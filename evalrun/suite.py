@@ -1,0 +1,304 @@
+"""`evalrun suite FILE.toml`: the tasks × models × cache modes a file lists, each into its own
+run directory (all resumable), then one combined table, and with a [baseline] the regress gate.
+
+    output_dir = "runs/nightly"                # root; run dirs are <output_dir>/<task>/<model>/<cache mode>/
+    [defaults]                                 # CLI flags for every run (name = value, without --)
+    [[tasks]]   name = "mmlu" | "humaneval", plus that command's flags
+    [[models]]  name = "...", path = "...", cache_modes = ["fp32", ...], plus flags
+    [baseline]  model = "<a models.name>"  or  output_dir = "<an earlier suite's root>",
+                max_drop = 1.0, alpha = 0.05
+
+Each entry becomes the argv of the real `evalrun <task>` command and goes through the same
+parser and pipeline, so a suite run and a hand-typed run of the same settings are the same run.
+Everything is parsed and checked before anything is computed; models load once each.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from evalrun.errors import BadInput
+
+TASK_COMMANDS = ("mmlu", "humaneval")
+RESERVED = {"output_dir": "the suite decides each run's directory", "cache_mode": "use the model's cache_modes",
+            "cache_modes": "cache_modes belongs to [[models]]", "model": "use [[models]] path",
+            "overwrite": "a suite resumes its runs; delete a run directory to redo it",
+            "score_samples": "a suite generates; score a samples file with evalrun humaneval"}
+SUMMARY_FILES = ("comparison.md", "comparison.csv", "comparison.json")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class SuiteEntry:
+    task: str
+    model: str                     # the [[models]] name
+    cache_mode: str
+    run_dir: Path
+    argv: list[str]                # the `evalrun <task> ...` command this entry is
+
+
+@dataclass(frozen=True)
+class Baseline:
+    model: Optional[str]           # compare every other model with this one, mode by mode
+    output_dir: Optional[Path]     # or each run with the same run of an earlier suite
+    max_drop: float = 1.0
+    alpha: float = 0.05
+
+
+@dataclass(frozen=True)
+class Suite:
+    path: Path
+    output_dir: Path
+    entries: list[SuiteEntry]
+    baseline: Optional[Baseline]
+
+
+def add_suite_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("suite", help="run the tasks x models x cache modes of a TOML file, compare, gate",
+                       description="Run every task x model x cache mode that FILE.toml lists, each into "
+                                   "<output_dir>/<task>/<model>/<cache mode>/ (resumable: a rerun computes only "
+                                   "what is missing), then print and write one combined table "
+                                   "(comparison.md/.csv/.json in output_dir); with a [baseline] section, gate "
+                                   "like `evalrun regress` (exit 1 on a significant drop). Schema: README.")
+    p.add_argument("file", metavar="FILE.toml", help="the suite")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
+
+
+# ------------------------------------------------------------------------------ reading the file
+
+def load_suite(path: Path) -> Suite:
+    data = _read_toml(path)
+    where = str(path)
+    _only(data, {"output_dir", "defaults", "tasks", "models", "baseline"}, where)
+    root = Path(_str(data, "output_dir", where, required=True))
+    defaults = _table(data.get("defaults", {}), f"{where} [defaults]")
+    tasks = _tables(data, "tasks", where)
+    models = _tables(data, "models", where)
+    for i, t in enumerate(tasks):
+        if t.get("name") not in TASK_COMMANDS:
+            raise BadInput(f"{where} tasks[{i}]: name must be one of {', '.join(TASK_COMMANDS)}, got {t.get('name')!r}")
+    names = [_str(m, "name", f"{where} models[{i}]", required=True) for i, m in enumerate(models)]
+    for i, name in enumerate(names):
+        if not _NAME.match(name):
+            raise BadInput(f"{where} models[{i}]: name {name!r} must be letters, digits, '.', '_' or '-' "
+                           "(it names the run directories)")
+    if len(set(names)) != len(names):
+        raise BadInput(f"{where}: two [[models]] share a name; each needs its own")
+    if len({t['name'] for t in tasks}) != len(tasks):
+        raise BadInput(f"{where}: a task is listed twice; list each task once")
+    entries = []
+    for m_i, model in enumerate(models):                    # model-major: each model loads once
+        modes = model.get("cache_modes", ["auto"])
+        if not isinstance(modes, list) or not modes or not all(isinstance(x, str) for x in modes):
+            raise BadInput(f"{where} models[{m_i}]: cache_modes must be a non-empty list of mode names")
+        if len(set(modes)) != len(modes):
+            raise BadInput(f"{where} models[{m_i}]: a cache mode is listed twice")
+        for task in tasks:
+            for mode in modes:
+                run_dir = root / task["name"] / names[m_i] / mode
+                flags = {**defaults, **_without(task, "name"), **_without(model, "name", "path", "cache_modes")}
+                argv = [task["name"], "--cache-mode", mode, "--output-dir", str(run_dir)]
+                if model.get("path") is not None:
+                    argv += ["--model", _str(model, "path", f"{where} models[{m_i}]")]
+                entries.append(SuiteEntry(task["name"], names[m_i], mode, run_dir,
+                                          argv + _flags(flags, f"{where} ({task['name']}, {names[m_i]})")))
+    return Suite(path, root, entries, _baseline(data.get("baseline"), names, where))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:                          # Python 3.10
+        import tomli as tomllib                          # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise BadInput(f"suite file not found: {path}") from None
+    except OSError as exc:
+        raise BadInput(f"cannot read suite file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"{path} is not valid TOML: {exc}") from None
+
+
+def _baseline(raw: Any, models: list[str], where: str) -> Optional[Baseline]:
+    if raw is None:
+        return None
+    b = _table(raw, f"{where} [baseline]")
+    _only(b, {"model", "output_dir", "max_drop", "alpha"}, f"{where} [baseline]")
+    model, out = b.get("model"), b.get("output_dir")
+    if (model is None) == (out is None):
+        raise BadInput(f"{where} [baseline]: give model = \"<a [[models]] name>\" or output_dir = \"<an earlier "
+                       "suite's output_dir>\", one of them")
+    if model is not None and model not in models:
+        raise BadInput(f"{where} [baseline]: model {model!r} is not one of the [[models]] ({', '.join(models)})")
+    if model is not None and len(models) < 2:
+        raise BadInput(f"{where} [baseline]: model needs a second [[models]] entry to compare with it")
+    try:
+        max_drop, alpha = float(b.get("max_drop", 1.0)), float(b.get("alpha", 0.05))
+    except (TypeError, ValueError):
+        raise BadInput(f"{where} [baseline]: max_drop and alpha must be numbers") from None
+    from evalrun.compare_cmd import check_gate_args
+    check_gate_args(max_drop, alpha)
+    return Baseline(model, Path(out) if out is not None else None, max_drop, alpha)
+
+
+def _flags(flags: dict[str, Any], where: str) -> list[str]:
+    out = []
+    for key, value in flags.items():
+        if key in RESERVED:
+            raise BadInput(f"{where}: {key} cannot be set in a suite ({RESERVED[key]})")
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            continue
+        elif isinstance(value, list):
+            out += [flag, ",".join(str(v) for v in value)]
+        elif isinstance(value, (str, int, float)):
+            out += [flag, str(value)]
+        else:
+            raise BadInput(f"{where}: {key} = {value!r} is not a flag value (string, number, boolean or list)")
+    return out
+
+
+def _only(table: dict[str, Any], keys: set[str], where: str) -> None:
+    unknown = sorted(set(table) - keys)
+    if unknown:
+        raise BadInput(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(keys))}")
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadInput(f"{where} must be a table")
+    return value
+
+
+def _tables(data: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
+    value = data.get(key)
+    if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+        raise BadInput(f"{where}: needs at least one [[{key}]] entry")
+    return value
+
+
+def _str(table: dict[str, Any], key: str, where: str, required: bool = False) -> str:
+    value = table.get(key)
+    if value is None and required:
+        raise BadInput(f"{where}: {key} is required")
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"{where}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _without(table: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in table.items() if k not in keys}
+
+
+# ------------------------------------------------------------------------------ running it
+
+def run_suite(args: argparse.Namespace) -> int:
+    from evalrun.cli import build_parser
+    from evalrun.pipeline import ModelLoader, execute
+    suite = load_suite(Path(args.file))
+    parser = build_parser(_RaisingParser)
+    prepared = []
+    for entry in suite.entries:                   # every entry checked before anything runs
+        argv = entry.argv + (["--no-progress"] if args.no_progress else [])
+        try:
+            ns = parser.parse_args(argv)
+        except BadInput as exc:
+            raise BadInput(f"{suite.path} ({entry.task}, {entry.model}, {entry.cache_mode}): {exc}") from None
+        ns.cache_mode = ns.cache_modes[0]
+        prepared.append(_prepare(entry.task)(ns, ["suite", str(suite.path), "--", *argv]))
+    loader = ModelLoader()
+    n = len(prepared)
+    for i, (entry, p) in enumerate(zip(suite.entries, prepared)):
+        print(f"\n=== suite {i + 1}/{n}: {entry.task}, {entry.model}, {entry.cache_mode} -> {entry.run_dir}",
+              file=sys.stderr, flush=True)
+        p.run.progress_desc = f"[{i + 1}/{n} {entry.task} {entry.model} {entry.cache_mode}]"
+        status = execute(p, loader)
+        if status:
+            return status
+    _write_tables(suite)
+    return _gate(suite) if suite.baseline else 0
+
+
+def _prepare(task: str) -> Any:
+    if task == "mmlu":
+        from evalrun.mmlu_cmd import prepare_mmlu
+        return prepare_mmlu
+    from evalrun.humaneval_cmd import prepare_humaneval
+    return prepare_humaneval
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """An entry's flags are checked by the real parser; its complaint becomes a BadInput."""
+
+    def error(self, message: str) -> Any:
+        raise BadInput(message)
+
+
+def _write_tables(suite: Suite) -> None:
+    """One comparison per task over all of its runs, printed and written beside the runs."""
+    import json
+
+    from evalrun.compare_cmd import compare_dirs
+    from results.atomic import atomic_write_text
+    from results.compare_format import render_csv, render_markdown, render_table
+    markdown, csv_parts, records = [], [], []
+    for task in dict.fromkeys(e.task for e in suite.entries):
+        entries = [e for e in suite.entries if e.task == task]
+        base = 0
+        if suite.baseline and suite.baseline.model:
+            base = next(i for i, e in enumerate(entries) if e.model == suite.baseline.model)
+        c = compare_dirs([str(e.run_dir) for e in entries], base, labels=[f"{e.model}/{e.cache_mode}" for e in entries])
+        print(f"\n=== {task}\n" + render_table(c), end="")
+        markdown.append(f"## {task}\n\n" + render_markdown(c))
+        csv_parts.append(render_csv(c) if not csv_parts else render_csv(c).split("\n", 1)[1])
+        records.append(c.to_dict())
+    suite.output_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(suite.output_dir / "comparison.md", "\n".join(markdown))
+    atomic_write_text(suite.output_dir / "comparison.csv", "".join(csv_parts))
+    atomic_write_text(suite.output_dir / "comparison.json", json.dumps(records, indent=2) + "\n")
+    print(f"\ncombined table: {suite.output_dir / 'comparison.md'} (.csv, .json)")
+
+
+def gate_pairs(suite: Suite) -> list[tuple[Path, Path]]:
+    """(baseline run dir, candidate run dir) pairs the [baseline] section asks for."""
+    b = suite.baseline
+    assert b is not None
+    if b.model is not None:
+        base = {(e.task, e.cache_mode): e.run_dir for e in suite.entries if e.model == b.model}
+        return [(base[(e.task, e.cache_mode)], e.run_dir) for e in suite.entries
+                if e.model != b.model and (e.task, e.cache_mode) in base]
+    assert b.output_dir is not None
+    return [(b.output_dir / e.run_dir.relative_to(suite.output_dir), e.run_dir) for e in suite.entries]
+
+
+def _gate(suite: Suite) -> int:
+    from evalrun.compare_cmd import EXIT_REGRESSION, format_gate, gate, regress_comparison
+    b = suite.baseline
+    assert b is not None
+    failed = 0
+    pairs = gate_pairs(suite)
+    for base, cand in pairs:
+        print(f"\n=== gate: {cand} against {base}")
+        if not base.exists():
+            print(f"no baseline run at {base} (a first night?): not gated")
+            continue
+        c = regress_comparison(str(base), str(cand))
+        result = gate(c, b.max_drop, b.alpha)
+        print(format_gate(result, b.max_drop, b.alpha, str(base), str(cand)))
+        failed += result.failed
+    print(f"\nsuite gate: {failed} of {len(pairs)} runs regressed" if failed else
+          f"\nsuite gate: no significant drop of {b.max_drop:g} points or more in {len(pairs)} comparisons")
+    return EXIT_REGRESSION if failed else 0
+
+
+def suite_entries(path: str | Path) -> Sequence[SuiteEntry]:
+    """The runs a suite file describes (for scripts and tests)."""
+    return load_suite(Path(path)).entries

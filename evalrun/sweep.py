@@ -1,0 +1,49 @@
+"""Cache-mode sweeps: `evalrun mmlu ... --cache-mode fp32,q8,q6,q4`.
+
+    prepare every mode's run (OUTPUT_DIR/<mode>/; all checked before anything loads)
+      ──► execute them in order with one ModelLoader (the model loads once)
+      ──► compare the modes with the first (exact paired statistics) and print the table
+
+Each mode's directory is an ordinary run: resumable, comparable, `evalrun show`-able.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from evalrun.common import model_name
+from evalrun.pipeline import ModelLoader, PreparedRun, execute
+
+Prepare = Callable[[argparse.Namespace, Sequence[str]], PreparedRun]
+
+
+def sweep_dirs(root: Path, modes: Sequence[str]) -> list[Path]:
+    """The run directory of each mode: OUTPUT_DIR/<cache-mode>/ (a contract)."""
+    return [root / mode for mode in modes]
+
+
+def run_sweep(args: argparse.Namespace, argv: Sequence[str], command: str, prepare: Prepare) -> int:
+    modes = list(args.cache_modes)
+    root = Path(args.output_dir or f"runs/{command}-{model_name(args.model)}")
+    dirs = sweep_dirs(root, modes)
+    prepared = []
+    for mode, run_dir in zip(modes, dirs):
+        one = copy.copy(args)
+        one.cache_mode, one.cache_modes, one.output_dir = mode, [mode], str(run_dir)
+        prepared.append(prepare(one, argv))
+    loader = ModelLoader()
+    for i, (mode, p) in enumerate(zip(modes, prepared)):
+        print(f"\n=== sweep {i + 1}/{len(modes)}: cache mode {mode} -> {p.run.out_dir}", file=sys.stderr, flush=True)
+        p.run.progress_desc = f"[{i + 1}/{len(modes)} {mode}]"
+        status = execute(p, loader)
+        if status:
+            return status
+    print(f"\n=== {command} cache-mode sweep: {', '.join(modes)} against {modes[0]}")
+    from evalrun.compare_cmd import compare_dirs
+    comparison = compare_dirs([str(d) for d in dirs], labels=modes)
+    from results.compare_format import render_table
+    print(render_table(comparison), end="")
+    return 0
