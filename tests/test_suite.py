@@ -151,3 +151,22 @@ def test_bad_suite_files_are_refused_before_any_work(tmp_path, capsys, monkeypat
 def test_a_missing_suite_file_is_named(tmp_path, capsys):
     assert main(["suite", str(tmp_path / "none.toml")]) == 2
     assert "suite file not found" in capsys.readouterr().err
+
+
+def test_the_readme_example_is_a_valid_suite(tmp_path):
+    from evalrun.cli import build_parser
+    from evalrun.suite import _RaisingParser, load_suite
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    suite = load_suite(_toml(tmp_path / "example.toml", example))
+    assert [(e.task, e.model, e.cache_mode) for e in suite.entries] == [
+        ("mmlu", "ckpt-1201", "fp32"), ("mmlu", "ckpt-1201", "q4"),
+        ("humaneval", "ckpt-1201", "fp32"), ("humaneval", "ckpt-1201", "q4")]
+    assert suite.entries[1].run_dir == Path("runs/nightly/2026-12-01/mmlu/ckpt-1201/q4")
+    assert suite.baseline is not None and suite.baseline.output_dir == Path("runs/nightly/2026-11-30")
+    parser = build_parser(_RaisingParser)
+    for entry in suite.entries:                             # every entry is a valid command line
+        args = parser.parse_args(entry.argv)
+        assert args.output_dir == str(entry.run_dir) and args.cache_modes == [entry.cache_mode]
+    mmlu = parser.parse_args(suite.entries[0].argv)
+    assert (mmlu.subjects, mmlu.limit, mmlu.cache_tokens) == ("abstract_algebra,anatomy,astronomy", 50, 65536)
