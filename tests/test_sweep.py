@@ -64,3 +64,15 @@ def test_bad_mode_lists_exit_2(tmp_path, capsys, modes, needle):
     with pytest.raises(SystemExit) as exc:
         main(["mmlu", "--cache-mode", modes, "--output-dir", str(tmp_path)])
     assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_humaneval_sweep_shares_the_pipeline(tiny_kv32_dir, tmp_path, capsys):
+    argv = ["humaneval", "--model", str(tiny_kv32_dir), "--dtype", "float32", "--limit", "3", "--max-new-tokens", "8",
+            "--n-samples", "2", "--temperature", "0.8", "--cache-mode", "fp32,q8", "--output-dir", str(tmp_path),
+            "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "humaneval: pass@1 per problem" in out and "paired bootstrap over problems" in out
+    for mode in ("fp32", "q8"):
+        rows = read_samples(tmp_path / mode)
+        assert len(rows) == 6 and read_manifest(tmp_path / mode)["cache_mode"] == mode
