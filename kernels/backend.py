@@ -8,10 +8,14 @@ through it with one signature, whatever the cache's KVFormat.
 `TorchKernels` is the reference (CPU and CUDA). `NativeCpuKernels` runs the decode group
 through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, quantize on
 write and the Hadamard rotations through kernels/csrc/kv_quant.c, the rest through the
-reference. A CUDA backend (Triton / flash-attn) slots in beside them.
+reference. `TritonKernels` (CUDA, when triton imports) runs decode attention for every
+format, prefill attention for formats without a recent-token window and K/V writes of the
+unquantized formats through kernels/triton_*.py, the rest through the reference; a call its
+kernels cannot take (CPU tensors, an unexpected layout) goes to the reference too.
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import torch
@@ -20,6 +24,7 @@ from . import kv_quant_native, paged_decode
 from .attention import AttentionMetadata, attend
 from .cache_ops import copy_page_prefix_torch, write_kv_torch
 from .kv_format import KVFormat, LayerKV
+from .kv_quant import rotate
 
 
 class TorchKernels:
@@ -62,8 +67,45 @@ class NativeCpuKernels(TorchKernels):
         return out
 
 
+class TritonKernels(TorchKernels):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from . import triton_attention, triton_cache_ops        # imports triton (slow): only when chosen
+        self._attn, self._write = triton_attention, triton_cache_ops
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+        if self._write.supported(k, v, layer):
+            self._write.write_kv_triton(k, v, layer, slot_mapping)
+        else:
+            write_kv_torch(k, v, layer, slot_mapping)
+
+    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        fmt = layer.fmt
+        if not self._attn.supported(q, layer):
+            return attend(q, layer, meta, scale, k=k, v=v)
+        if fmt.window:                  # the window's prefill stays with the reference (SDPA)
+            return attend(q, layer, meta, scale, self._attn.decode_triton, k=k, v=v)
+        qr = rotate(q, fmt.group_size).to(q.dtype) if fmt.rotate else q
+        out = self._attn.paged_attention_triton(qr, layer, meta, scale)
+        return rotate(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
+
+    def describe(self, fmt: KVFormat) -> dict[str, str]:
+        return {"kv_write": "torch" if fmt.quantized else "triton", "decode_attention": "triton",
+                "prefill_attention": "torch-sdpa" if fmt.window else "triton"}
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def choose_kernels(device: "str | torch.device") -> TorchKernels:
-    """The backend for a device: native CPU kernels when the C kernel builds, else the reference."""
-    if torch.device(device).type == "cpu" and paged_decode.available():
+    """The backend for a device: native CPU kernels when the C kernel builds, Triton kernels
+    on CUDA when triton is installed, else the reference."""
+    kind = torch.device(device).type
+    if kind == "cpu" and paged_decode.available():
         return NativeCpuKernels()
+    if kind == "cuda" and triton_available():
+        return TritonKernels()
     return TorchKernels()

@@ -1,0 +1,377 @@
+"""Triton paged attention (the CUDA path), same contract as the torch reference in
+kernels/attention.py: `decode_torch` for the decode group, `attend`'s SDPA loop for prefill.
+
+Layouts (kernels/attention.py, kernels/kv_format.py):
+    q            [T, Hq, D]        packed queries, model dtype, last dim contiguous; the decode
+                                   group (q_len 1) first, already in the attention domain
+                                   (rotated by the caller for rotating formats)
+    layer        LayerKV           contiguous pages [P + 1, S, Hkv, row]: floats (fp32 / bf16 /
+                                   fp16) or uint8 codes + fp16 group scales (q8 / q6 / q4);
+                                   windowed formats also read the store wk / wv [J, W, Hkv, D]
+    page_table   [B, max_pages] int32, seq_lens [B] int32, cu_seqlens_q [B + 1] int32
+
+Decode: one program per (sequence, KV head, split of the context). It holds the Hq / Hkv
+query heads of its KV head as the rows of one tile (GQA: each K/V row is read once for the
+whole group), walks its split in blocks of BLOCK_N positions, finds each position's slot
+through the page table (page * S + pos % S; a block may cross pages) and keeps an online
+softmax in float32. A second kernel merges the splits by their maxima and sums:
+
+    context of b:  | split 0 | split 1 | ... |        partials acc [Bd, Hq, splits, D], (m, l)
+    out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s        (M = max_s m_s)
+
+Prefill: one program per (sequence, query head, block of BLOCK_M queries), causal over
+its context read through the page table (query i sits at position L - q_len + i).
+
+Numerics: 16-bit caches read by a query of the same dtype multiply in that dtype on the
+tensor cores with float32 accumulation (products exact) and round the probabilities to it
+for P @ V, as flash-attn does; every other case (fp32, mixed dtypes, dequantized codes)
+runs in float32 ("ieee" dot). Masked loads never touch a slot beyond a sequence's length,
+so NaN-poisoned slots stay unread. Triton's interpreter (TRITON_INTERPRET=1, read when
+this module is imported) runs the same kernels on CPU tensors; its tl.dot misreads bf16,
+so there the 16-bit dot is emulated in float32 from the same rounded inputs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import AttentionMetadata, check_pages
+from .kv_format import LayerKV
+from .paged_decode import check_window
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """True when this module's kernels were built for Triton's interpreter."""
+    return not isinstance(_decode_kernel, triton.runtime.JITFunction)
+
+
+def supported(q: torch.Tensor, layer: LayerKV) -> bool:
+    """What these kernels read: contiguous storage of any KVFormat with float window and
+    scales, a query [T, Hq, D] of the layer's head size with Hq a multiple of Hkv, on a CUDA
+    device (any device under the interpreter)."""
+    if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(-1) != 1 or layer.k.dim() != 4:
+        return False
+    hq, d = q.shape[1:]
+    hkv = layer.num_kv_heads
+    if hkv < 1 or hq % hkv or layer.head_dim != d:
+        return False
+    try:
+        want = layer.fmt.slot_shapes(hkv, d)
+    except ValueError:
+        return False
+    got = {"k": layer.k, "v": layer.v, "k_scale": layer.k_scale, "v_scale": layer.v_scale}
+    lead = tuple(layer.k.shape[:2])
+    if any(got[n] is None or tuple(got[n].shape) != (*lead, *shape) or got[n].dtype != dt
+           for n, (shape, dt) in want.items()):
+        return False
+    if layer.fmt.window and not all(t is not None and t.dtype in _FLOATS and tuple(t.shape[1:]) ==
+                                    (layer.fmt.window, hkv, d) for t in (layer.wk, layer.wv)):
+        return False
+    tensors = [q] + layer.tensors() + layer.window_tensors()
+    on_device = interpreting() or all(t.device.type == "cuda" for t in tensors)
+    return on_device and len({t.device for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors[1:])
+
+
+# --- device helpers ------------------------------------------------------------------------
+@triton.jit
+def _load_rows(x_ptr, s_ptr, slot, head, col, mask,
+               HKV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """Rows [N, BLOCK_D] of one KV head at flat slots [N] (int64): float storage in its own
+    dtype (BITS 0), codes as dequantized float32 (code - offset) * scale (BITS 8 or 4)."""
+    if BITS == 0:
+        rows = tl.load(x_ptr + (slot[:, None] * HKV + head) * D + col[None, :], mask=mask, other=0.0)
+    else:
+        row_bytes: tl.constexpr = D * BITS // 8
+        if BITS == 8:
+            byte = col
+        else:                  # byte j of a group: element j low nibble, element j + G/2 high
+            byte = col // GROUP * (GROUP // 2) + col % (GROUP // 2)
+        c = tl.load(x_ptr + (slot[:, None] * HKV + head) * row_bytes + byte[None, :], mask=mask, other=0)
+        c = c.to(tl.int32)
+        if BITS == 4:
+            c = tl.where((col % GROUP < GROUP // 2)[None, :], c & 15, c >> 4) - 8
+        else:
+            c = c - 128
+        groups: tl.constexpr = D // GROUP
+        s = tl.load(s_ptr + (slot[:, None] * HKV + head) * groups + (col // GROUP)[None, :], mask=mask, other=0.0)
+        rows = c.to(tl.float32) * s.to(tl.float32)
+    return rows
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """x.to(dtype). EMULATE (the interpreter): a cast to bfloat16 rounds to nearest even as on
+    the GPU (Triton 3.6's interpreter truncates), NaN kept."""
+    if EMULATE and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x.to(tl.float32), bits.to(tl.float32, bitcast=True))
+    return x.to(dtype)
+
+
+@triton.jit
+def _mma(a, b, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + a @ b, float32 accumulation. NATIVE: a rounded to b's 16-bit dtype and multiplied
+    on the tensor cores (EMULATE: the same rounded inputs multiplied in float32); else exact
+    float32 of both."""
+    if NATIVE:
+        a = cast(a, b.dtype, EMULATE)
+    if NATIVE and not EMULATE:
+        out = tl.dot(a, b, acc)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, slot, pos, pmask, head, col, dmask,
+             w_slot, w_start, HKV: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr,
+             V_BITS: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr):
+    """K and V rows [N, BLOCK_D] at positions pos; with a window, positions >= w_start come
+    from store rows w_slot * W + pos - w_start instead of the pages."""
+    if WINDOW > 0:
+        in_win = pos >= w_start
+        page_mask = (pmask & (pos < w_start))[:, None] & dmask[None, :]
+        win_mask = (pmask & in_win)[:, None] & dmask[None, :]
+        w_off = ((w_slot.to(tl.int64) * WINDOW + (pos - w_start))[:, None] * HKV + head) * D + col[None, :]
+        k = _load_rows(k_ptr, ks_ptr, slot, head, col, page_mask, HKV, D, K_BITS, GROUP)
+        v = _load_rows(v_ptr, vs_ptr, slot, head, col, page_mask, HKV, D, V_BITS, GROUP)
+        k = tl.where(in_win[:, None], tl.load(wk_ptr + w_off, mask=win_mask, other=0.0).to(tl.float32), k)
+        v = tl.where(in_win[:, None], tl.load(wv_ptr + w_off, mask=win_mask, other=0.0).to(tl.float32), v)
+    else:
+        mask = pmask[:, None] & dmask[None, :]
+        k = _load_rows(k_ptr, ks_ptr, slot, head, col, mask, HKV, D, K_BITS, GROUP)
+        v = _load_rows(v_ptr, vs_ptr, slot, head, col, mask, HKV, D, V_BITS, GROUP)
+    return k, v
+
+
+# --- decode ---------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_ptr, wstart_ptr,
+                   table_ptr, lens_ptr, acc_ptr, ml_ptr,
+                   scale_log2, q_stride_t, q_stride_h, table_stride, split_len, num_splits,
+                   HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr,
+                   NATIVE: tl.constexpr, EMULATE: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    col = tl.arange(0, BLOCK_D)
+    dmask = col < D
+    heads = kh * GQA + g                                                          # [G]
+    q = tl.load(q_ptr + b.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + col[None, :],
+                mask=(g < GQA)[:, None] & dmask[None, :], other=0.0)              # [G, D]
+    w_slot = 0
+    w_start = 0
+    if WINDOW > 0:
+        w_slot = tl.load(wslot_ptr + b)
+        w_start = tl.load(wstart_ptr + b)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)                                          # [N]
+        pmask = pos < end
+        page = tl.load(table_ptr + b * table_stride + pos // PAGE, mask=pmask, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        k, v = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, slot, pos, pmask, kh, col, dmask,
+                        w_slot, w_start, HKV, D, K_BITS, V_BITS, GROUP, WINDOW)   # [N, D]
+        s = _mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), NATIVE, EMULATE) * scale_log2
+        s = tl.where(pmask[None, :], s, float("-inf"))                           # [G, N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
+        m_i = m_new
+    part = (b * (HKV * GQA) + heads).to(tl.int64) * num_splits + split           # [G]
+    gmask = g < GQA
+    tl.store(acc_ptr + part[:, None] * D + col[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+    tl.store(ml_ptr + part * 2, m_i, mask=gmask)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, ml_ptr, out_ptr, out_stride_t, out_stride_h, num_splits, EMULATE: tl.constexpr,
+                    HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    col = tl.arange(0, BLOCK_D)
+    smask = sp < num_splits
+    part = (b * HQ + h).to(tl.int64) * num_splits + sp                            # [S]
+    m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
+    l_s = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))                      # empty splits (m = -inf) weigh 0
+    acc = tl.load(acc_ptr + part[:, None] * D + col[None, :], mask=smask[:, None] & (col < D)[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(out_ptr + b.to(tl.int64) * out_stride_t + h * out_stride_h + col,
+             cast(o, out_ptr.dtype.element_ty, EMULATE), mask=col < D)
+
+
+# --- prefill ---------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, lens_ptr, cu_q_ptr,
+                    scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride, first_seq,
+                    HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr,
+                    NATIVE: tl.constexpr, EMULATE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = first_seq + tl.program_id(0)
+    h = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if m0 < q_len:
+        seq_len = tl.load(lens_ptr + b)
+        kh = h // GQA
+        rows = m0 + tl.arange(0, BLOCK_M)
+        col = tl.arange(0, BLOCK_D)
+        rmask = rows < q_len
+        dmask = col < D
+        q_pos = seq_len - q_len + rows                                            # [M]
+        tok = (q_start + rows).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * q_stride_t + h * q_stride_h + col[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)              # [M, D]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)              # past the last query
+        for n0 in range(0, k_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pmask = pos < k_end
+            page = tl.load(table_ptr + b * table_stride + pos // PAGE, mask=pmask, other=0)
+            slot = page.to(tl.int64) * PAGE + pos % PAGE
+            k, v = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot, pos, pmask, kh, col, dmask,
+                            0, 0, HKV, D, K_BITS, V_BITS, GROUP, 0)
+            s = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), NATIVE, EMULATE) * scale_log2
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None] * out_stride_t + h * out_stride_h + col[None, :],
+                 cast(o, out_ptr.dtype.element_ty, EMULATE), mask=rmask[:, None] & dmask[None, :])
+
+
+# --- host side ----------------------------------------------------------------------------------
+LOG2E = 1.4426950408889634
+
+
+def _format_args(q: torch.Tensor, layer: LayerKV) -> dict:
+    fmt = layer.fmt
+    native = not fmt.quantized and layer.k.dtype == q.dtype and q.dtype != torch.float32
+    return dict(HKV=layer.num_kv_heads, GQA=q.shape[1] // layer.num_kv_heads, D=layer.head_dim,
+                PAGE=layer.page_size, K_BITS=fmt.k_bits or 0, V_BITS=fmt.v_bits or 0, GROUP=fmt.group_size,
+                NATIVE=native, EMULATE=interpreting(), BLOCK_D=max(16, triton.next_power_of_2(layer.head_dim)))
+
+
+def _scales(layer: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale tensors, or the code tensors as unused stand-ins for float formats."""
+    return (layer.k_scale, layer.v_scale) if layer.fmt.quantized else (layer.k, layer.v)
+
+
+def num_splits_for(rows: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Splits of the context so that about 4 programs per multiprocessor run (a power of
+    two, at most 32 and at most one per block of BLOCK_N positions)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-4 * sms // max(1, rows * num_kv_heads))
+    return max(1, min(triton.next_power_of_2(want), 32, -(-max_len // block_n)))
+
+
+def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+            max_len: int, window: Optional[tuple[torch.Tensor, torch.Tensor]],
+            num_splits: Optional[int], block_n: Optional[int]) -> torch.Tensor:
+    bd, hq, d = q.shape
+    out = torch.empty_like(q)
+    if bd == 0:
+        return out
+    args = _format_args(q, layer)
+    block_n = block_n or (16 if interpreting() else 64)
+    splits = num_splits or num_splits_for(bd, layer.num_kv_heads, max_len, block_n, q.device)
+    split_len = -(-max(1, max_len) // (splits * block_n)) * block_n
+    acc = torch.empty(bd, hq, splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(bd, hq, splits, 2, dtype=torch.float32, device=q.device)
+    ks, vs = _scales(layer)
+    w_slots, w_starts = window if layer.fmt.window else (seq_lens, seq_lens)
+    wk, wv = (layer.wk, layer.wv) if layer.fmt.window else (layer.k, layer.v)
+    _decode_kernel[(bd, layer.num_kv_heads, splits)](
+        q, layer.k, layer.v, ks, vs, wk, wv, w_slots, w_starts, page_table, seq_lens, acc, ml,
+        scale * LOG2E, q.stride(0), q.stride(1), page_table.stride(0), split_len, splits,
+        WINDOW=layer.fmt.window, BLOCK_G=max(16, triton.next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args)
+    _combine_kernel[(bd, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, interpreting(), HQ=hq, D=d,
+                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=args["BLOCK_D"])
+    return out
+
+
+def decode_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode group of a batch whose metadata build_metadata checked (a `DecodeFn` for
+    kernels.attention.attend): q [Bd, Hq, D] -> [Bd, Hq, D] in q's dtype."""
+    nd = meta.num_decode
+    window = (meta.window_slots[:nd], meta.window_starts[:nd]) if layer.fmt.window else None
+    return _decode(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale, meta.max_seqlen_k,
+                   window, None, None)
+
+
+def paged_decode_triton(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float, window: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                        num_splits: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D] (same contract as paged_decode.paged_decode_native); page
+    ids, lengths and window rows are checked first (this syncs with the device)."""
+    if not supported(q, layer):
+        raise ValueError(f"the Triton decode kernel cannot take q {tuple(q.shape)} {q.dtype} {q.device} "
+                         f"with a {layer.fmt.name} cache of K {tuple(layer.k.shape)} {layer.k.dtype}")
+    if page_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match {q.shape[0]} sequences")
+    check_pages(page_table.cpu(), seq_lens.cpu(), layer.page_size, layer.k.shape[0] - 1)
+    check_window(layer, seq_lens, window)
+    if q.shape[0] and int(seq_lens.min()) < 1:
+        raise ValueError("decode rows attend at least their own token: seq_lens must be >= 1")
+    max_len = int(seq_lens.max()) if q.shape[0] else 0
+    return _decode(q, layer, page_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
+                   scale, max_len, window, num_splits, block_n)
+
+
+def prefill_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                   block_m: Optional[int] = None, block_n: Optional[int] = None) -> None:
+    """Rows of the prefill sequences (after the decode group) of out [T, Hq, D]; formats
+    without a recent-token window (the caller rotates q and out for rotating ones)."""
+    num_prefill = len(meta.prefill)
+    if not num_prefill:
+        return
+    if layer.fmt.window:
+        raise ValueError("the Triton prefill kernel reads no recent-token window: use kernels.attention.attend")
+    args = _format_args(q, layer)
+    block_m = block_m or (16 if interpreting() else 64)
+    block_n = block_n or (16 if interpreting() else 64)
+    ks, vs = _scales(layer)
+    grid = (num_prefill, q.shape[1], triton.cdiv(meta.max_seqlen_q, block_m))
+    _prefill_kernel[grid](q, layer.k, layer.v, ks, vs, out, meta.page_table, meta.seq_lens_k, meta.cu_seqlens_q,
+                          scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          meta.page_table.stride(0), meta.num_decode, BLOCK_M=block_m, BLOCK_N=block_n, **args)
+
+
+def paged_attention_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode group and prefill sequences of a packed batch, formats without a window; q in
+    the attention domain. Returns [T, Hq, D] in q's dtype."""
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[: meta.num_decode] = decode_triton(q[: meta.num_decode], layer, meta, scale)
+    prefill_triton(q, layer, meta, scale, out)
+    return out

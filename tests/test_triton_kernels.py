@@ -1,0 +1,277 @@
+"""Triton kernels (kernels/triton_*.py) against their torch reference (kernels/attention.py,
+kernels/cache_ops.py), for every KV cache format they claim, over page sizes, GQA ratios,
+ragged lengths and NaN-poisoned unused slots.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors: TRITON_INTERPRET=1
+is set below before triton is imported (triton.jit reads it when a kernel is defined,
+triton.language's own helpers included). With a GPU they run compiled on it, and
+benchmarks/gpu_check.py runs this file a second time with TRITON_INTERPRET=1. A last test
+compiles the kernels for sm_90 (Hopper) in a subprocess, which needs no GPU.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported: its own tl helpers are jit too
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+from kernels import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
+from kernels.attention import build_metadata, decode_torch  # noqa: E402
+from kernels.backend import TorchKernels, TritonKernels, choose_kernels  # noqa: E402
+from kernels.cache_ops import write_kv_torch  # noqa: E402
+from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format  # noqa: E402
+
+if triton_attention.interpreting() != INTERPRET or (INTERPRET and DEVICE.type == "cpu" and not
+                                                    triton_attention.interpreting()):
+    raise RuntimeError("triton was imported before this module could set TRITON_INTERPRET=1: run this "
+                       "file in its own process or with TRITON_INTERPRET=1 set")
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
+FLOAT_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_scalars():
+    """Triton 3.6's interpreter turns a scalar tensor into an int with int(array of shape (1,)),
+    which numpy >= 2.4 refuses: any loop bounded by a runtime value fails. Take .item() instead,
+    for this module's tests only."""
+    if not INTERPRET:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patch)
+        yield
+
+
+def _case(fmt: KVFormat, hq: int, hkv: int, d: int, page_size: int, lens: list[int], q_lens: list[int],
+          seed: int, q_dtype: torch.dtype, window_slots: int = 0):
+    """Random contexts written by the reference on shuffled pages of a cache whose other slots
+    are NaN (floats, or scales beside junk codes); queries for the last q_lens[i] tokens."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lens) + 2
+    layer = LayerKV.allocate(fmt, num_pages + 1, page_size, hkv, d, DEVICE, window_slots=window_slots)
+    for t in layer.data_tensors():
+        t[:num_pages] = float("nan")
+    if fmt.quantized:
+        layer.k[:num_pages], layer.v[:num_pages] = 0xA5, 0x5A
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = []
+    for n in lens:
+        pages, perm = perm[: -(-n // page_size)], perm[-(-n // page_size):]
+        slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)])
+        k, v = torch.randn(2, n, hkv, d, generator=g)
+        write_kv_torch(k.to(DEVICE), v.to(DEVICE), layer, slots.to(DEVICE))
+        tables.append(pages)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(q_dtype).to(DEVICE)
+    wslots = list(range(len(lens)))[::-1] if fmt.window else None
+    meta = build_metadata(q_lens, lens, tables, page_size, num_pages, DEVICE, fmt.window, wslots)
+    return layer, q, meta
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    tol = FLOAT_TOL[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
+
+
+# (page size, Hq, Hkv, head dim, splits, lengths): pages smaller than, equal to and larger than
+# a 16-position block; GQA 3, 4 and 1 (9/3, 4/1, 4/4); one, two and three splits; ragged lengths
+DECODE_CASES = [
+    (4, 9, 3, 32, 1, [1, 17, 40, 5]),
+    (16, 4, 1, 32, 3, [33, 2, 16]),
+    (32, 4, 4, 32, 2, [40, 11]),
+    (8, 6, 2, 48, 2, [9, 25]),            # a head dim that is no power of two (float formats)
+]
+# (format, query dtype): every storage read by a query of its dtype, and a mixed one
+FORMAT_CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
+                ("bf16", torch.float32), ("q8", torch.float32), ("q6", torch.float32), ("q4", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("mode,q_dtype", FORMAT_CASES, ids=lambda x: str(x).removeprefix("torch."))
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_matches_reference(mode, q_dtype, case):
+    page_size, hq, hkv, d, splits, lens = DECODE_CASES[case]
+    fmt = PAGE_FORMATS[mode]
+    if fmt.quantized and d % fmt.group_size:
+        pytest.skip("quantized formats need a head dim divisible by 32")
+    layer, q, meta = _case(fmt, hq, hkv, d, page_size, lens, [1] * len(lens), case, q_dtype)
+    ref = decode_torch(q, layer, meta, d ** -0.5)
+    out = triton_attention.paged_decode_triton(q, layer, meta.page_table, meta.seq_lens_k, d ** -0.5,
+                                               num_splits=splits)
+    _close(out, ref, q_dtype)
+    if DEVICE.type == "cuda" or splits != 1:           # the splits chosen for the device (CPU: 1)
+        _close(triton_attention.decode_triton(q, layer, meta, d ** -0.5), ref, q_dtype)
+
+
+@pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
+def test_windowed_decode_matches_reference(mode):
+    """Positions from each row's window start on come from its block of the store (NaN in the
+    blocks no row reads), the rest from the codes."""
+    fmt = kv_format(mode, window=8)
+    lens = [5, 8, 9, 30, 16]
+    layer, q, meta = _case(fmt, 4, 2, 32, 16, lens, [1] * len(lens), 7, torch.float32, window_slots=len(lens) + 1)
+    g = torch.Generator().manual_seed(1)
+    for t in layer.window_tensors():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        t[len(lens)] = float("nan")                         # the block no sequence owns
+    ref = decode_torch(q, layer, meta, 32 ** -0.5)
+    out = triton_attention.paged_decode_triton(q, layer, meta.page_table, meta.seq_lens_k, 32 ** -0.5,
+                                               window=(meta.window_slots, meta.window_starts), num_splits=2)
+    _close(out, ref, torch.float32)
+
+
+# (page size, Hq, Hkv, head dim, q_lens, seq_lens): decode rows first, then prefill chunks (a whole
+# prompt, chunks over a cached prefix, a one-token chunk after them)
+PREFILL_CASES = [
+    (4, 6, 2, 32, [1, 1, 7, 20, 1], [9, 40, 7, 30, 5]),
+    (16, 4, 1, 32, [1, 33, 18], [3, 33, 40]),
+    (8, 2, 2, 32, [12, 3], [12, 21]),
+]
+
+
+@pytest.mark.parametrize("mode,q_dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                          ("fp16", torch.float16), ("bf16", torch.float32),
+                                          ("q8", torch.float32), ("q4", torch.float32)],
+                         ids=lambda x: str(x).removeprefix("torch."))
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_attention_matches_reference(mode, q_dtype, case):
+    """The whole packed batch through the backend (decode + prefill kernels; rotating formats
+    rotate q in and the output out) against the reference backend (SDPA prefill)."""
+    page_size, hq, hkv, d, q_lens, lens = PREFILL_CASES[case]
+    layer, q, meta = _case(PAGE_FORMATS[mode], hq, hkv, d, page_size, lens, q_lens, 10 + case, q_dtype)
+    ref = TorchKernels().attention(q, layer, meta, d ** -0.5)
+    _close(TritonKernels().attention(q, layer, meta, d ** -0.5), ref, q_dtype)
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_windowed_attention_matches_reference(mode):
+    """Windowed formats through the backend: decode rows by the Triton kernel, prefill by the
+    reference; both store the new tokens' window rows the same way."""
+    fmt = kv_format(mode, window=8)
+    q_lens, lens = [1, 1, 13, 6], [9, 24, 13, 22]
+    layer, q, meta = _case(fmt, 4, 2, 32, 16, lens, q_lens, 3, torch.float32, window_slots=len(lens))
+    g = torch.Generator().manual_seed(2)
+    for t in layer.window_tensors():
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    k, v = (torch.randn(sum(q_lens), 2, 32, generator=g).to(DEVICE) for _ in range(2))
+    ref_layer = copy.deepcopy(layer)
+    ref = TorchKernels().attention(q, ref_layer, meta, 32 ** -0.5, k, v)
+    _close(TritonKernels().attention(q, layer, meta, 32 ** -0.5, k, v), ref, torch.float32)
+    for a, b in zip(layer.window_tensors(), ref_layer.window_tensors()):
+        torch.testing.assert_close(a, b, equal_nan=True)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(mode, src_dtype):
+    """Strided K/V views (as sliced from the fused QKV projection) into NaN pages: bit for bit
+    the reference's cast, every other slot untouched."""
+    hkv, d, page_size = 3, 24, 4
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(11, (4 + 2 * hkv) * d, generator=g).to(src_dtype).to(DEVICE)
+    k = qkv[:, 4 * d: (4 + hkv) * d].view(11, hkv, d)
+    v = qkv[:, (4 + hkv) * d:].view(11, hkv, d)
+    slots = torch.randperm(6 * page_size, generator=g)[:11].to(DEVICE)
+    layers = []
+    for _ in range(2):
+        layer = LayerKV.allocate(PAGE_FORMATS[mode], 7, page_size, hkv, d, DEVICE)
+        layer.k[:6], layer.v[:6] = float("nan"), float("nan")
+        layers.append(layer)
+    assert triton_cache_ops.supported(k, v, layers[0])
+    triton_cache_ops.write_kv_triton(k, v, layers[0], slots, block=32)       # several blocks per row
+    write_kv_torch(k, v, layers[1], slots)
+    for a, b in zip(layers[0].tensors(), layers[1].tensors()):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_backend_choice_describe_and_fallbacks():
+    assert isinstance(choose_kernels("cuda"), TritonKernels)
+    kernels = TritonKernels()
+    assert kernels.describe(KV_FORMATS["bf16"]) == {"kv_write": "triton", "decode_attention": "triton",
+                                                    "prefill_attention": "triton"}
+    assert kernels.describe(KV_FORMATS["q4"]) == {"kv_write": "torch", "decode_attention": "triton",
+                                                  "prefill_attention": "torch-sdpa"}
+    # a layout the kernels do not take goes to the reference, with the reference's answer
+    layer, q, meta = _case(PAGE_FORMATS["fp32"], 4, 2, 32, 4, [6, 9], [1, 4], 0, torch.float64)
+    assert not triton_attention.supported(q, layer)
+    torch.testing.assert_close(kernels.attention(q, layer, meta, 0.2), TorchKernels().attention(q, layer, meta, 0.2))
+    q4 = PAGE_FORMATS["q4"]
+    k = torch.randn(3, 2, 32, device=DEVICE)
+    qlayer = LayerKV.allocate(q4, 3, 4, 2, 32, DEVICE)
+    ref = LayerKV.allocate(q4, 3, 4, 2, 32, DEVICE)
+    assert not triton_cache_ops.supported(k, k, qlayer)
+    kernels.write_kv(k, k, qlayer, torch.tensor([0, 5, 2], device=DEVICE))
+    write_kv_torch(k, k, ref, torch.tensor([0, 5, 2], device=DEVICE))
+    assert all(torch.equal(a, b) for a, b in zip(qlayer.tensors(), ref.tensors()))
+
+
+def test_decode_checks_pages_and_lengths():
+    layer, q, meta = _case(PAGE_FORMATS["fp16"], 4, 2, 32, 4, [6, 9], [1, 1], 0, torch.float16)
+    bad_table = meta.page_table.clone()
+    bad_table[1, 0] = layer.k.shape[0]                       # beyond the null page
+    with pytest.raises(ValueError, match="page ids"):
+        triton_attention.paged_decode_triton(q, layer, bad_table, meta.seq_lens_k, 0.2)
+    with pytest.raises(ValueError, match="sequence lengths"):
+        triton_attention.paged_decode_triton(q, layer, meta.page_table, meta.seq_lens_k + 100, 0.2)
+
+
+COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import triton_attention as ta, triton_cache_ops as tc
+
+def build(fn, types, consts):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+
+ptrs = lambda names, t: dict.fromkeys(names, t)
+for kv, q, bits, window, native in [("*bf16", "*bf16", (0, 0), 0, True), ("*u8", "*fp32", (8, 4), 128, False)]:
+    types = {**ptrs(["q_ptr", "out_ptr"], q), **ptrs(["k_ptr", "v_ptr"], kv), "scale_log2": "fp32",
+             **ptrs(["ks_ptr", "vs_ptr", "wk_ptr", "wv_ptr"], "*fp16"), **ptrs(["acc_ptr", "ml_ptr"], "*fp32"),
+             **ptrs(["wslot_ptr", "wstart_ptr", "table_ptr", "lens_ptr", "cu_q_ptr"], "*i32")}
+    common = dict(HKV=8, GQA=4, D=128, PAGE=256, K_BITS=bits[0], V_BITS=bits[1], GROUP=32, NATIVE=native,
+                  EMULATE=False, BLOCK_N=64, BLOCK_D=128)
+    build(ta._decode_kernel, types, dict(common, WINDOW=window, BLOCK_G=16))
+    if not window:
+        build(ta._prefill_kernel, types, dict(common, BLOCK_M=64))
+build(ta._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"},
+      dict(EMULATE=False, HQ=32, D=128, BLOCK_S=4, BLOCK_D=128))
+build(tc._write_kernel, {**ptrs(["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16"), "slot_ptr": "*i64"},
+      dict(EMULATE=False, HKV=8, D=128, BLOCK=1024))
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the other tests compile and run every kernel")
+def test_kernels_compile_for_hopper(tmp_path):
+    """Ahead-of-time compile (Triton's own LLVM and ptxas, no GPU needed) of the kernels at a
+    7B-like shape for sm_90: what the interpreter cannot check (types, layouts, shared memory).
+    A fresh Triton cache, so nothing compiled earlier stands in."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
