@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -258,10 +259,23 @@ def _has_colour(crop: np.ndarray, rgb: tuple[int, int, int]) -> bool:
 
 
 def test_plots_render_in_headless_chromium_offline(tmp_path: Path) -> None:
-    browser = _browser()
-    _require_unshare(tmp_path)
     report = tmp_path / "report.html"
     report.write_text(render_html(mmlu_sweep(tmp_path)))
+    check_renders(report, tmp_path)
+
+
+@pytest.mark.skipif(not os.environ.get("EVALRUN_REPORT"), reason="EVALRUN_REPORT=<report.html> not set "
+                    "(benchmarks/sweep_report.py sets it to check a real sweep's report)")
+def test_a_given_report_renders_offline(tmp_path: Path) -> None:
+    report = Path(os.environ["EVALRUN_REPORT"])
+    assert_self_contained(report.read_text())
+    check_renders(report, tmp_path)
+
+
+def check_renders(report: Path, tmp_path: Path) -> None:
+    """Every plot of `report` (all three: a sweep's report) is drawn in headless Chromium offline."""
+    browser = _browser()
+    _require_unshare(tmp_path)
     probe = _probe(browser, report, tmp_path)
     assert probe["fetches"] == 0, "the report fetched resources"
     assert sorted(probe["boxes"]) == sorted(PLOTS)
