@@ -10,7 +10,7 @@ Layouts (kernels/attention.py, kernels/kv_format.py):
                                    windowed formats also read the store wk / wv [J, W, Hkv, D]
     page_table   [B, max_pages] int32, seq_lens [B] int32, cu_seqlens_q [B + 1] int32
 
-Decode: one program per (sequence, KV head, split of the context). It holds the Hq / Hkv
+Decode: one program per (sequence, KV head, split of SPLIT_LEN positions). It holds the Hq / Hkv
 query heads of its KV head as the rows of one tile (GQA: each K/V row is read once for the
 whole group), walks its split in blocks of BLOCK_N positions, finds each position's slot
 through the page table (page * S + pos % S; a block may cross pages) and keeps an online
@@ -204,19 +204,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, out_ptr, out_stride_t, out_stride_h, num_splits, EMULATE: tl.constexpr,
                     HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Splits merged in a fixed order, BLOCK_S at a time: a row's result depends on its own
+    splits alone (the empty ones a longer row in the batch adds weigh exactly 0)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
     col = tl.arange(0, BLOCK_D)
-    smask = sp < num_splits
-    part = (b * HQ + h).to(tl.int64) * num_splits + sp                            # [S]
-    m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
-    l_s = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))                      # empty splits (m = -inf) weigh 0
-    acc = tl.load(acc_ptr + part[:, None] * D + col[None, :], mask=smask[:, None] & (col < D)[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    base = (b * HQ + h).to(tl.int64) * num_splits
+    m_max = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        m_max = tl.maximum(m_max, tl.max(tl.load(ml_ptr + (base + sp) * 2, mask=sp < num_splits,
+                                                 other=float("-inf")), 0))
+    o = tl.zeros([BLOCK_D], tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        smask = sp < num_splits
+        m = tl.load(ml_ptr + (base + sp) * 2, mask=smask, other=float("-inf"))
+        w = tl.exp2(m - m_max)                         # empty splits (m = -inf) weigh 0
+        den += tl.sum(tl.load(ml_ptr + (base + sp) * 2 + 1, mask=smask, other=0.0) * w, 0)
+        acc = tl.load(acc_ptr + (base + sp)[:, None] * D + col[None, :], mask=smask[:, None] & (col < D)[None, :],
+                      other=0.0)                                                   # [S, D]
+        o += tl.sum(acc * w[:, None], 0)
     tl.store(out_ptr + b.to(tl.int64) * out_stride_t + h * out_stride_h + col,
-             cast(o, out_ptr.dtype.element_ty, EMULATE), mask=col < D)
+             cast(o / den, out_ptr.dtype.element_ty, EMULATE), mask=col < D)
 
 
 # --- prefill ---------------------------------------------------------------------------------
@@ -284,27 +295,20 @@ def _scales(layer: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     return (layer.k_scale, layer.v_scale) if layer.fmt.quantized else (layer.k, layer.v)
 
 
-def num_splits_for(rows: int, num_kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
-    """Splits of the context so that about 4 programs per multiprocessor run (a power of
-    two, at most 32 and at most one per block of BLOCK_N positions)."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-4 * sms // max(1, rows * num_kv_heads))
-    return max(1, min(triton.next_power_of_2(want), 32, -(-max_len // block_n)))
+SPLIT_LEN = 512      # decode positions per program: fixed, so a row's result never depends on the batch
 
 
 def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             max_len: int, window: Optional[tuple[torch.Tensor, torch.Tensor]],
-            num_splits: Optional[int], block_n: Optional[int]) -> torch.Tensor:
+            split_len: Optional[int], block_n: Optional[int]) -> torch.Tensor:
     bd, hq, d = q.shape
     out = torch.empty_like(q)
     if bd == 0:
         return out
     args = _format_args(q, layer)
     block_n = block_n or (16 if interpreting() else 64)
-    splits = num_splits or num_splits_for(bd, layer.num_kv_heads, max_len, block_n, q.device)
-    split_len = -(-max(1, max_len) // (splits * block_n)) * block_n
+    split_len = -(-(split_len or SPLIT_LEN) // block_n) * block_n             # whole blocks
+    splits = -(-max(1, max_len) // split_len)
     acc = torch.empty(bd, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bd, hq, splits, 2, dtype=torch.float32, device=q.device)
     ks, vs = _scales(layer)
@@ -315,7 +319,7 @@ def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens:
         scale * LOG2E, q.stride(0), q.stride(1), page_table.stride(0), split_len, splits,
         WINDOW=layer.fmt.window, BLOCK_G=max(16, triton.next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args)
     _combine_kernel[(bd, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, interpreting(), HQ=hq, D=d,
-                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=args["BLOCK_D"])
+                              BLOCK_S=16, BLOCK_D=args["BLOCK_D"])
     return out
 
 
@@ -330,7 +334,7 @@ def decode_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scal
 
 def paged_decode_triton(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, window: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        num_splits: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
+                        split_len: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D] (same contract as paged_decode.paged_decode_native); page
     ids, lengths and window rows are checked first (this syncs with the device)."""
     if not supported(q, layer):
@@ -345,7 +349,7 @@ def paged_decode_triton(q: torch.Tensor, layer: LayerKV, page_table: torch.Tenso
         raise ValueError("decode rows attend at least their own token: seq_lens must be >= 1")
     max_len = int(seq_lens.max()) if q.shape[0] else 0
     return _decode(q, layer, page_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-                   scale, max_len, window, num_splits, block_n)
+                   scale, max_len, window, split_len, block_n)
 
 
 def prefill_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor,

@@ -94,13 +94,13 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
 
 
-# (page size, Hq, Hkv, head dim, splits, lengths): pages smaller than, equal to and larger than
-# a 16-position block; GQA 3, 4 and 1 (9/3, 4/1, 4/4); one, two and three splits; ragged lengths
+# (page size, Hq, Hkv, head dim, split length, lengths): pages smaller than, equal to and larger
+# than a 16-position block; GQA 3, 4 and 1 (9/3, 4/1, 4/4); one to three splits; ragged lengths
 DECODE_CASES = [
-    (4, 9, 3, 32, 1, [1, 17, 40, 5]),
-    (16, 4, 1, 32, 3, [33, 2, 16]),
-    (32, 4, 4, 32, 2, [40, 11]),
-    (8, 6, 2, 48, 2, [9, 25]),            # a head dim that is no power of two (float formats)
+    (4, 9, 3, 32, 64, [1, 17, 40, 5]),
+    (16, 4, 1, 32, 16, [33, 2, 16]),
+    (32, 4, 4, 32, 32, [40, 11]),
+    (8, 6, 2, 48, 16, [9, 25]),           # a head dim that is no power of two (float formats)
 ]
 # (format, query dtype): every storage read by a query of its dtype, and a mixed one
 FORMAT_CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
@@ -110,17 +110,26 @@ FORMAT_CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torc
 @pytest.mark.parametrize("mode,q_dtype", FORMAT_CASES, ids=lambda x: str(x).removeprefix("torch."))
 @pytest.mark.parametrize("case", range(len(DECODE_CASES)))
 def test_decode_matches_reference(mode, q_dtype, case):
-    page_size, hq, hkv, d, splits, lens = DECODE_CASES[case]
+    page_size, hq, hkv, d, split_len, lens = DECODE_CASES[case]
     fmt = PAGE_FORMATS[mode]
     if fmt.quantized and d % fmt.group_size:
         pytest.skip("quantized formats need a head dim divisible by 32")
     layer, q, meta = _case(fmt, hq, hkv, d, page_size, lens, [1] * len(lens), case, q_dtype)
     ref = decode_torch(q, layer, meta, d ** -0.5)
     out = triton_attention.paged_decode_triton(q, layer, meta.page_table, meta.seq_lens_k, d ** -0.5,
-                                               num_splits=splits)
-    _close(out, ref, q_dtype)
-    if DEVICE.type == "cuda" or splits != 1:           # the splits chosen for the device (CPU: 1)
-        _close(triton_attention.decode_triton(q, layer, meta, d ** -0.5), ref, q_dtype)
+                                               split_len=split_len)
+    _close(out, ref, q_dtype)        # (decode_triton, from metadata: test_attention_matches_reference)
+
+
+@pytest.mark.parametrize("mode,q_dtype", [("bf16", torch.bfloat16), ("q4", torch.float32)])
+def test_decode_row_does_not_depend_on_the_batch(mode, q_dtype):
+    """A row decoded beside a much longer one (more splits in the grid) equals, bit for bit,
+    the same row decoded alone."""
+    layer, q, meta = _case(PAGE_FORMATS[mode], 4, 2, 32, 8, [21, 70], [1, 1], 4, q_dtype)
+    both = triton_attention.paged_decode_triton(q, layer, meta.page_table, meta.seq_lens_k, 0.2, split_len=16)
+    alone = triton_attention.paged_decode_triton(q[:1], layer, meta.page_table[:1], meta.seq_lens_k[:1], 0.2,
+                                                 split_len=16)
+    assert torch.equal(both[:1], alone)
 
 
 @pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
@@ -136,7 +145,7 @@ def test_windowed_decode_matches_reference(mode):
         t[len(lens)] = float("nan")                         # the block no sequence owns
     ref = decode_torch(q, layer, meta, 32 ** -0.5)
     out = triton_attention.paged_decode_triton(q, layer, meta.page_table, meta.seq_lens_k, 32 ** -0.5,
-                                               window=(meta.window_slots, meta.window_starts), num_splits=2)
+                                               window=(meta.window_slots, meta.window_starts), split_len=16)
     _close(out, ref, torch.float32)
 
 
