@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
-from kernels import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
+from kernels import triton_attention, triton_cache_ops, triton_interpreter  # noqa: E402  (after TRITON_INTERPRET)
 from kernels.attention import build_metadata, decode_torch  # noqa: E402
 from kernels.backend import TorchKernels, TritonKernels, choose_kernels  # noqa: E402
 from kernels.cache_ops import write_kv_torch  # noqa: E402
@@ -36,6 +36,8 @@ if triton_attention.interpreting() != INTERPRET or (INTERPRET and DEVICE.type ==
     raise RuntimeError("triton was imported before this module could set TRITON_INTERPRET=1: run this "
                        "file in its own process or with TRITON_INTERPRET=1 set")
 
+pytestmark = [pytest.mark.cuda] if DEVICE.type == "cuda" else []     # selected by gpu_check's -m cuda
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
 FLOAT_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -43,22 +45,11 @@ FLOAT_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torc
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_scalars():
-    """Triton 3.6's interpreter turns a scalar tensor into an int with int(array of shape (1,)),
-    which numpy >= 2.4 refuses: any loop bounded by a runtime value fails. Take .item() instead,
-    for this module's tests only."""
+    """Triton 3.6's interpreter under numpy >= 2.4 needs kernels.triton_interpreter's workaround."""
     if not INTERPRET:
         yield
         return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patch)
+    with triton_interpreter.interpreter_scalars():
         yield
 
 
