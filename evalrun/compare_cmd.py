@@ -27,7 +27,7 @@ FORMATS = ("table", "markdown", "csv", "json", "html")      # results.compare_fo
 OVERALL = "overall"                                           # results.compare.OVERALL
 
 
-def load_runs(paths: Sequence[str]) -> "tuple[list[RunData], TaskSpec]":
+def load_runs(paths: Sequence[str], allow_different_data: bool = False) -> "tuple[list[RunData], TaskSpec]":
     """Finished runs of one task, or BadInput naming the run and the problem."""
     from results.errors import RunReadError
     from results.run_reader import load_finished_run
@@ -49,17 +49,31 @@ def load_runs(paths: Sequence[str]) -> "tuple[list[RunData], TaskSpec]":
     if len({s.name for s in specs}) > 1:
         tasks = ", ".join(f"{r.path} is {r.manifest.get('task')}" for r in runs)
         raise BadInput(f"the runs are of different tasks and cannot be compared: {tasks}")
+    if not allow_different_data:
+        _check_same_data(runs)
     return runs, specs[0]
+
+
+def _check_same_data(runs: "list[RunData]") -> None:
+    """Rows are matched by key (MMLU: subject and position), so runs of other data would pair
+    different questions: refuse unless the user says the data differ on purpose."""
+    prints = {str(r.path): r.manifest.get("identity", {}).get("data_fingerprint") for r in runs}
+    known = {fp for fp in prints.values() if fp is not None}
+    if len(known) > 1:
+        shown = ", ".join(f"{path} has {str(fp)[:12]}" for path, fp in prints.items())
+        raise BadInput(f"the runs were made from different data (data_fingerprint: {shown}), so the same key may "
+                       "be another question; pass --allow-different-data to compare them anyway")
 
 
 def compare_dirs(paths: Sequence[str], baseline: int = 0, by: Optional[str] = None,
                  labels: Optional[Sequence[str]] = None, level: float = 0.95, n_boot: int = 10000,
-                 seed: int = 0) -> "Comparison":
+                 seed: int = 0, selection: Optional[Sequence[tuple]] = None,
+                 allow_different_data: bool = False) -> "Comparison":
     from results.compare import compare_runs
     from results.errors import CompareError
-    runs, spec = load_runs(paths)
+    runs, spec = load_runs(paths, allow_different_data)
     try:
-        return compare_runs(runs, spec, baseline, by or spec.default_by, labels, level, n_boot, seed)
+        return compare_runs(runs, spec, baseline, by or spec.default_by, labels, level, n_boot, seed, selection)
     except CompareError as exc:
         raise BadInput(str(exc)) from None
 
@@ -88,24 +102,31 @@ def add_regress_parser(sub: argparse._SubParsersAction) -> None:
                                    "below the baseline's AND the paired test finds the drop significant at "
                                    "--alpha; else 0; 2 on bad input. Every group's change is printed with "
                                    "Holm-adjusted p-values (reported, not gating).")
-    p.add_argument("--baseline", required=True, metavar="RUN", help="last known good run directory (required, no default)")
+    p.add_argument("--baseline", required=True, metavar="RUN",
+                   help="last known good run directory (required, no default)")
     p.add_argument("--candidate", required=True, metavar="RUN", help="run directory to check (required, no default)")
     p.add_argument("--max-drop", type=float, default=1.0,
                    help="points (percent of questions) the overall metric may drop before it can fail (default: 1.0)")
     p.add_argument("--alpha", type=float, default=0.05, help="significance level of the drop (default: 0.05)")
     p.add_argument("--by", help="groups to print: subject, category (MMLU) or none (default: subject for MMLU, "
                                 "none for HumanEval)")
-    _stats_args(p)
+    _stats_args(p, "1 - alpha")
 
 
-def _stats_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default: 0.95)")
+def _stats_args(p: argparse.ArgumentParser, level_help: str = "0.95") -> None:
+    p.add_argument("--level", type=float, default=None,
+                   help=f"confidence level of the intervals (default: {level_help})")
+    p.add_argument("--allow-different-data", action="store_true",
+                   help="compare runs whose data fingerprints differ (default: refuse: the same key may be "
+                        "another question)")
     p.add_argument("--n-boot", type=int, default=10000,
                    help="bootstrap resamples, for HumanEval with several samples per problem (default: 10000)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
 
 
-def _check_stats_args(args: argparse.Namespace) -> None:
+def _check_stats_args(args: argparse.Namespace, default_level: float = 0.95) -> None:
+    if args.level is None:
+        args.level = default_level
     if not 0 < args.level < 1:
         raise BadInput(f"--level must be between 0 and 1, got {args.level}")
     if args.n_boot < 100:
@@ -124,7 +145,8 @@ def run_compare(args: argparse.Namespace) -> int:
             baseline = resolved.index(Path(args.baseline).resolve())
         else:
             paths.insert(0, args.baseline)
-    comparison = compare_dirs(paths, baseline, args.by, run_labels(paths), args.level, args.n_boot, args.seed)
+    comparison = compare_dirs(paths, baseline, args.by, run_labels(paths), args.level, args.n_boot, args.seed,
+                              allow_different_data=args.allow_different_data)
     text = render(comparison, args.format)
     if args.output:
         out = Path(args.output)
@@ -152,7 +174,10 @@ def gate(comparison: "Comparison", max_drop: float, alpha: float) -> GateResult:
     overall = comparison.result(OVERALL, cand)
     assert overall.delta is not None and overall.p_value is not None
     drop = -overall.delta * 100.0
-    return GateResult(overall, drop, drop >= max_drop and overall.p_value <= alpha, comparison)
+    # NOTE: 11 of 1000 flipped is -0.011 * 100 = 1.0999999999999999 in floating point: "at least"
+    # --max-drop needs a tolerance far below one question's share
+    failed = drop >= max_drop - 1e-9 and overall.p_value <= alpha
+    return GateResult(overall, drop, failed, comparison)
 
 
 def check_gate_args(max_drop: float, alpha: float) -> None:
@@ -163,11 +188,11 @@ def check_gate_args(max_drop: float, alpha: float) -> None:
 
 
 def regress_comparison(base_dir: str, cand_dir: str, by: Optional[str] = None, level: float = 0.95,
-                       n_boot: int = 10000, seed: int = 0) -> "Comparison":
+                       n_boot: int = 10000, seed: int = 0, allow_different_data: bool = False) -> "Comparison":
     """Candidate against baseline, grouped by the task's finest grouping unless `by` says otherwise."""
     from results.compare import compare_runs
     from results.errors import CompareError
-    runs, spec = load_runs([base_dir, cand_dir])
+    runs, spec = load_runs([base_dir, cand_dir], allow_different_data)
     try:
         return compare_runs(runs, spec, 0, by or next(iter(spec.groupings), "none"), ["baseline", "candidate"],
                             level, n_boot, seed)
@@ -176,9 +201,10 @@ def regress_comparison(base_dir: str, cand_dir: str, by: Optional[str] = None, l
 
 
 def run_regress(args: argparse.Namespace) -> int:
-    _check_stats_args(args)
     check_gate_args(args.max_drop, args.alpha)
-    comparison = regress_comparison(args.baseline, args.candidate, args.by, args.level, args.n_boot, args.seed)
+    _check_stats_args(args, 1 - args.alpha)
+    comparison = regress_comparison(args.baseline, args.candidate, args.by, args.level, args.n_boot, args.seed,
+                                    args.allow_different_data)
     result = gate(comparison, args.max_drop, args.alpha)
     print(format_gate(result, args.max_drop, args.alpha, args.baseline, args.candidate))
     return EXIT_REGRESSION if result.failed else 0
@@ -210,7 +236,7 @@ def format_gate(result: GateResult, max_drop: float, alpha: float, base_dir: str
     if result.failed:
         verdict = (f"REGRESSION: dropped {result.drop_points:.2f} points (>= {max_drop:g}) and p = "
                    f"{o.p_value:.3g} <= alpha {alpha:g}")
-    elif result.drop_points >= max_drop:
+    elif result.drop_points >= max_drop - 1e-9:
         verdict = (f"ok: dropped {result.drop_points:.2f} points, but not significantly "
                    f"(p = {o.p_value:.3g} > {alpha:g})")
     else:

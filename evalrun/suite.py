@@ -47,6 +47,7 @@ class Baseline:
     output_dir: Optional[Path]     # or each run with the same run of an earlier suite
     max_drop: float = 1.0
     alpha: float = 0.05
+    require_baseline: bool = False # a candidate without its baseline run is an error (exit 2), not "not gated"
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,9 @@ def load_suite(path: Path) -> Suite:
     entries = []
     for m_i, model in enumerate(models):                    # model-major: each model loads once
         modes = model.get("cache_modes", ["auto"])
-        if not isinstance(modes, list) or not modes or not all(isinstance(x, str) for x in modes):
-            raise BadInput(f"{where} models[{m_i}]: cache_modes must be a non-empty list of mode names")
+        if not isinstance(modes, list) or not modes or not all(isinstance(x, str) and _NAME.match(x) for x in modes):
+            raise BadInput(f"{where} models[{m_i}]: cache_modes must be a non-empty list of mode names, "
+                           f"one mode per item (e.g. [\"fp32\", \"q4\"]), got {modes!r}")
         if len(set(modes)) != len(modes):
             raise BadInput(f"{where} models[{m_i}]: a cache mode is listed twice")
         for task in tasks:
@@ -129,7 +131,7 @@ def _baseline(raw: Any, models: list[str], where: str) -> Optional[Baseline]:
     if raw is None:
         return None
     b = _table(raw, f"{where} [baseline]")
-    _only(b, {"model", "output_dir", "max_drop", "alpha"}, f"{where} [baseline]")
+    _only(b, {"model", "output_dir", "max_drop", "alpha", "require_baseline"}, f"{where} [baseline]")
     model, out = b.get("model"), b.get("output_dir")
     if (model is None) == (out is None):
         raise BadInput(f"{where} [baseline]: give model = \"<a [[models]] name>\" or output_dir = \"<an earlier "
@@ -144,15 +146,19 @@ def _baseline(raw: Any, models: list[str], where: str) -> Optional[Baseline]:
         raise BadInput(f"{where} [baseline]: max_drop and alpha must be numbers") from None
     from evalrun.compare_cmd import check_gate_args
     check_gate_args(max_drop, alpha)
-    return Baseline(model, Path(out) if out is not None else None, max_drop, alpha)
+    required = b.get("require_baseline", False)
+    if not isinstance(required, bool):
+        raise BadInput(f"{where} [baseline]: require_baseline must be true or false")
+    return Baseline(model, Path(out) if out is not None else None, max_drop, alpha, required)
 
 
 def _flags(flags: dict[str, Any], where: str) -> list[str]:
     out = []
     for key, value in flags.items():
-        if key in RESERVED:
-            raise BadInput(f"{where}: {key} cannot be set in a suite ({RESERVED[key]})")
-        flag = "--" + key.replace("_", "-")
+        name = key.replace("-", "_")
+        if name in RESERVED:
+            raise BadInput(f"{where}: {key} cannot be set in a suite ({RESERVED[name]})")
+        flag = "--" + name.replace("_", "-")
         if value is True:
             out.append(flag)
         elif value is False:
@@ -205,15 +211,20 @@ def run_suite(args: argparse.Namespace) -> int:
     from evalrun.pipeline import ModelLoader, execute
     suite = load_suite(Path(args.file))
     parser = build_parser(_RaisingParser)
+    from evalrun.sweep import one_mode
     prepared = []
     for entry in suite.entries:                   # every entry checked before anything runs
         argv = entry.argv + (["--no-progress"] if args.no_progress else [])
+        where = f"{suite.path} ({entry.task}, {entry.model}, {entry.cache_mode})"
         try:
             ns = parser.parse_args(argv)
+            _check_entry(ns, entry)
+            one = one_mode(ns, entry.cache_mode, entry.run_dir, f"{entry.model}.{entry.cache_mode}")
+            prepared.append(_prepare(entry.task)(one, ["suite", str(suite.path), "--", *argv]))
         except BadInput as exc:
-            raise BadInput(f"{suite.path} ({entry.task}, {entry.model}, {entry.cache_mode}): {exc}") from None
-        ns.cache_mode = ns.cache_modes[0]
-        prepared.append(_prepare(entry.task)(ns, ["suite", str(suite.path), "--", *argv]))
+            hint = (" (in a suite: delete that run directory to redo it, or give the suite another output_dir)"
+                    if "holds another run" in str(exc) else "")
+            raise BadInput(f"{where}: {exc}{hint}") from None
     loader = ModelLoader()
     n = len(prepared)
     for i, (entry, p) in enumerate(zip(suite.entries, prepared)):
@@ -223,8 +234,16 @@ def run_suite(args: argparse.Namespace) -> int:
         status = execute(p, loader)
         if status:
             return status
-    _write_tables(suite)
+    _write_tables(suite, [p.todo.keys for p in prepared])
     return _gate(suite) if suite.baseline else 0
+
+
+def _check_entry(ns: argparse.Namespace, entry: SuiteEntry) -> None:
+    """The suite decides these; a flag that reached them anyway (another spelling) is refused."""
+    if ns.output_dir != str(entry.run_dir) or ns.cache_modes != [entry.cache_mode]:
+        raise BadInput("an entry's flags may not set the output directory or the cache mode (the suite does)")
+    if ns.overwrite or getattr(ns, "score_samples", None):
+        raise BadInput("overwrite and score_samples cannot be set in a suite")
 
 
 def _prepare(task: str) -> Any:
@@ -236,14 +255,18 @@ def _prepare(task: str) -> Any:
 
 
 class _RaisingParser(argparse.ArgumentParser):
-    """An entry's flags are checked by the real parser; its complaint becomes a BadInput."""
+    """An entry's flags are checked by the real parser, whole names only; a complaint becomes a BadInput."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> Any:
         raise BadInput(message)
 
 
-def _write_tables(suite: Suite) -> None:
-    """One comparison per task over all of its runs, printed and written beside the runs."""
+def _write_tables(suite: Suite, selections: list[list[tuple]]) -> None:
+    """One comparison per task over all of its runs (on this suite's selection of questions),
+    printed and written beside the runs."""
     import json
 
     from evalrun.compare_cmd import compare_dirs
@@ -252,10 +275,12 @@ def _write_tables(suite: Suite) -> None:
     markdown, csv_parts, records = [], [], []
     for task in dict.fromkeys(e.task for e in suite.entries):
         entries = [e for e in suite.entries if e.task == task]
+        selection = {k for e, keys in zip(suite.entries, selections) if e.task == task for k in keys}
         base = 0
         if suite.baseline and suite.baseline.model:
             base = next(i for i, e in enumerate(entries) if e.model == suite.baseline.model)
-        c = compare_dirs([str(e.run_dir) for e in entries], base, labels=[f"{e.model}/{e.cache_mode}" for e in entries])
+        c = compare_dirs([str(e.run_dir) for e in entries], base, labels=[f"{e.model}/{e.cache_mode}" for e in entries],
+                         selection=sorted(selection))
         print(f"\n=== {task}\n" + render_table(c), end="")
         markdown.append(f"## {task}\n\n" + render_markdown(c))
         csv_parts.append(render_csv(c) if not csv_parts else render_csv(c).split("\n", 1)[1])
@@ -267,35 +292,47 @@ def _write_tables(suite: Suite) -> None:
     print(f"\ncombined table: {suite.output_dir / 'comparison.md'} (.csv, .json)")
 
 
-def gate_pairs(suite: Suite) -> list[tuple[Path, Path]]:
-    """(baseline run dir, candidate run dir) pairs the [baseline] section asks for."""
+def gate_pairs(suite: Suite) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """(baseline run dir, candidate run dir) pairs the [baseline] section asks for, and the
+    candidates that have no counterpart in the suite (model = ...: a mode the baseline model lacks)."""
     b = suite.baseline
     assert b is not None
     if b.model is not None:
         base = {(e.task, e.cache_mode): e.run_dir for e in suite.entries if e.model == b.model}
-        return [(base[(e.task, e.cache_mode)], e.run_dir) for e in suite.entries
-                if e.model != b.model and (e.task, e.cache_mode) in base]
+        others = [e for e in suite.entries if e.model != b.model]
+        return ([(base[(e.task, e.cache_mode)], e.run_dir) for e in others if (e.task, e.cache_mode) in base],
+                [e.run_dir for e in others if (e.task, e.cache_mode) not in base])
     assert b.output_dir is not None
-    return [(b.output_dir / e.run_dir.relative_to(suite.output_dir), e.run_dir) for e in suite.entries]
+    return [(b.output_dir / e.run_dir.relative_to(suite.output_dir), e.run_dir) for e in suite.entries], []
 
 
 def _gate(suite: Suite) -> int:
     from evalrun.compare_cmd import EXIT_REGRESSION, format_gate, gate, regress_comparison
     b = suite.baseline
     assert b is not None
-    failed = 0
-    pairs = gate_pairs(suite)
+    pairs, unmatched = gate_pairs(suite)
+    missing = [cand for base, cand in pairs if not base.exists()] + unmatched
+    if missing and b.require_baseline:
+        raise BadInput(f"{suite.path} [baseline]: no baseline run for {', '.join(map(str, missing))} "
+                       "(require_baseline = true)")
+    failed = gated = 0
     for base, cand in pairs:
         print(f"\n=== gate: {cand} against {base}")
         if not base.exists():
-            print(f"no baseline run at {base} (a first night?): not gated")
+            print(f"no baseline run at {base}: NOT GATED")
             continue
-        c = regress_comparison(str(base), str(cand))
-        result = gate(c, b.max_drop, b.alpha)
+        result = gate(regress_comparison(str(base), str(cand)), b.max_drop, b.alpha)
         print(format_gate(result, b.max_drop, b.alpha, str(base), str(cand)))
         failed += result.failed
-    print(f"\nsuite gate: {failed} of {len(pairs)} runs regressed" if failed else
-          f"\nsuite gate: no significant drop of {b.max_drop:g} points or more in {len(pairs)} comparisons")
+        gated += 1
+    for cand in unmatched:
+        print(f"\n=== gate: {cand}: the baseline model has no run of this task and cache mode: NOT GATED")
+    total = len(pairs) + len(unmatched)
+    if b.output_dir is not None and not b.output_dir.exists():
+        print(f"\nwarning: the baseline output_dir {b.output_dir} does not exist (a first night, or a typo?)")
+    not_gated = f"; {total - gated} of {total} NOT GATED (no baseline run)" if gated < total else ""
+    print(f"\nsuite gate: {failed} of {gated} gated runs regressed{not_gated}" if failed else
+          f"\nsuite gate: no significant drop of {b.max_drop:g} points or more in {gated} gated runs{not_gated}")
     return EXIT_REGRESSION if failed else 0
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -55,7 +55,7 @@ class RunHeader:
     git_sha: Optional[str]
     rows: int                                   # stored rows, skipped included
     skipped: int                                # rows stored as skipped (prompt did not fit)
-    left_out: int                               # scored rows not shared by every run
+    left_out: int                               # scored rows (of the selection) not shared by every run
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,9 @@ class Comparison:
 
 def compare_runs(runs: Sequence[RunData], spec: MetricSpec, baseline: int = 0, by: str = "none",
                  labels: Optional[Sequence[str]] = None, level: float = 0.95, n_boot: int = 10000,
-                 seed: int = 0) -> Comparison:
-    """Every run against runs[baseline] on the rows they all share."""
+                 seed: int = 0, selection: Optional[Iterable[tuple]] = None) -> Comparison:
+    """Every run against runs[baseline] on the rows they all share; with `selection` (row keys),
+    only on those rows (a sweep's current --subjects/--limit): other stored rows are out of scope."""
     if not runs:
         raise CompareError("no runs to compare")
     if by != "none" and by not in spec.groupings:
@@ -110,7 +111,10 @@ def compare_runs(runs: Sequence[RunData], spec: MetricSpec, baseline: int = 0, b
         raise CompareError(f"{spec.name} runs cannot be grouped by {by!r}; choose one of: {choices}")
     labels = list(labels) if labels is not None else run_labels([str(r.path) for r in runs])
     scored = [_scored(r, spec) for r in runs]
-    shared = _shared_keys(scored, labels)
+    if selection is not None:
+        wanted = set(selection)
+        scored = [f[[k in wanted for k in f.index]] for f in scored]
+    shared = _shared_keys(scored, labels, [len(r.rows) for r in runs])
     matrix = np.stack([frame.loc[shared, spec.metric].to_numpy(dtype=bool) for frame in scored])   # [runs, rows]
     units, counts = _units(shared, spec)
     per_run = np.stack([np.add.reduceat(m.astype(np.int64), counts.starts) for m in matrix])        # passes per unit
@@ -151,7 +155,11 @@ def _scored(run: RunData, spec: MetricSpec) -> pd.DataFrame:
     return frame.set_index(list(spec.key_columns)).sort_index()
 
 
-def _shared_keys(frames: list[pd.DataFrame], labels: list[str]) -> pd.Index:
+def _shared_keys(frames: list[pd.DataFrame], labels: list[str], stored: list[int]) -> pd.Index:
+    empty = [f"{label} ({n} rows stored, all skipped)" if n else f"{label} (no rows)"
+             for label, f, n in zip(labels, frames, stored) if len(f) == 0]
+    if empty:
+        raise CompareError(f"nothing to compare: no scored rows in {', '.join(empty)}")
     shared = frames[0].index
     for frame in frames[1:]:
         shared = shared.intersection(frame.index)
@@ -178,7 +186,7 @@ def _units(shared: pd.Index, spec: MetricSpec) -> tuple[list[tuple], _Counts]:
 def _groups(units: list[tuple], spec: MetricSpec, by: str) -> list[tuple[str, np.ndarray]]:
     if by == "none":
         return []
-    names = [spec.groupings[by](u) for u in units]
+    names = [str(spec.groupings[by](u)) for u in units]
     listed = spec.group_order.get(by, ())
     order = sorted(set(names), key=lambda g: (listed.index(g) if g in listed else len(listed), g))
     arr = np.asarray(names, dtype=object)
@@ -224,22 +232,36 @@ def _header(run: RunData, label: str, scored: pd.DataFrame, shared: int) -> RunH
     m = run.manifest
     sessions = [m.get("throughput")] + [s.get("throughput") for s in m.get("resumes", []) if isinstance(s, dict)]
     sessions = [s for s in sessions if isinstance(s, dict)]
-    wall = sum(s.get("wall_seconds") or 0.0 for s in sessions) or None
-    tokens = sum((s.get("prompt_tokens") or 0) + (s.get("generated_tokens") or 0) for s in sessions)
-    prompt = sum(s.get("prompt_tokens") or 0 for s in sessions)
-    computed = sum(s.get("prefill_tokens_computed") or 0 for s in sessions)
-    model = manifest_value(m, "model", "path")
-    git = manifest_value(m, "environment", "git", "sha")
+    wall = sum(_number(s.get("wall_seconds")) or 0.0 for s in sessions) or None
+    prompt = sum(_number(s.get("prompt_tokens")) or 0 for s in sessions)
+    tokens = prompt + sum(_number(s.get("generated_tokens")) or 0 for s in sessions)
+    computed = sum(_number(s.get("prefill_tokens_computed")) or 0 for s in sessions)
+    model, git = manifest_value(m, "model", "path"), manifest_value(m, "environment", "git", "sha")
+    version = manifest_value(m, "environment", "packages", "evalrun")
+    bytes_per_token, window = _number(m.get("cache_bytes_per_token")), _number(m.get("cache_window"))
     return RunHeader(
         label=label, run_dir=str(run.path), task=str(m.get("task")),
         model=model.rstrip("/").rsplit("/", 1)[-1] if isinstance(model, str) else None,
-        dtype=m.get("dtype"), cache_mode=m.get("cache_mode"), cache_window=m.get("cache_window"),
-        bytes_per_token=m.get("cache_bytes_per_token"), wall_seconds=wall,
+        dtype=_text(m.get("dtype")), cache_mode=_text(m.get("cache_mode")),
+        cache_window=int(window) if window is not None else None,
+        bytes_per_token=int(bytes_per_token) if bytes_per_token is not None else None, wall_seconds=wall,
         tokens_per_s=tokens / wall if wall and tokens else None,
         dedup_ratio=prompt / computed if computed else None,
-        evalrun_version=manifest_value(m, "environment", "packages", "evalrun"),
-        git_sha=git[:10] if isinstance(git, str) else None,
-        rows=len(run.rows), skipped=len(run.rows) - len(scored), left_out=len(scored) - shared)
+        evalrun_version=_text(version), git_sha=git[:10] if isinstance(git, str) else None,
+        rows=len(run.rows), skipped=_skipped(run.rows), left_out=len(scored) - shared)
+
+
+def _skipped(rows: pd.DataFrame) -> int:
+    return int(rows["skipped"].fillna(False).astype(bool).sum()) if "skipped" in rows.columns else 0
+
+
+def _number(value: Any) -> Optional[float]:
+    """A manifest number, or None where the field is missing or not a number (a hand-edited manifest)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def _text(value: Any) -> Optional[str]:
+    return value if isinstance(value, str) else None
 
 
 def _finite(obj: Any) -> Any:

@@ -18,6 +18,7 @@ from .mmlu_groups import GROUPS, group_of
 from .passk import pass_at_k
 
 Grouping = Callable[[tuple], str]          # a unit's key -> its group's name
+UNLISTED = "unlisted"                      # MMLU category of a subject MMLU does not have (a user's own data)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def _pass_at_1(n: int, c: int) -> float:
 MMLU = TaskSpec(
     name="mmlu", key_columns=("subject", "doc_id"), metric="correct", aggregate="accuracy",
     unit_columns=("subject", "doc_id"), unit_score=_accuracy,
-    groupings={"subject": lambda key: key[0], "category": lambda key: group_of(key[0])},
+    groupings={"subject": lambda key: str(key[0]), "category": lambda key: group_of(key[0]) or UNLISTED},
     group_order={"category": GROUPS}, default_by="category", commands=("mmlu",))
 
 HUMANEVAL = TaskSpec(

@@ -310,3 +310,31 @@ def test_labels_stay_distinct_when_directory_names_clash():
 
 def _unused(x: Optional[int]) -> None:      # keep Optional imported for the type hints above
     return None
+
+
+def test_review_cases(tmp_path, capsys):
+    # a subject MMLU does not have gets the "unlisted" category instead of crashing the table
+    own = mmlu_rows(base_answers(20), ["anatomy", "my_own_subject"])
+    a = write_run(tmp_path / "own_a", own)
+    b = write_run(tmp_path / "own_b", mmlu_rows(flipped(base_answers(20), 2, 1), ["anatomy", "my_own_subject"]))
+    assert main(["compare", str(a), str(b)]) == 0
+    assert "unlisted" in capsys.readouterr().out
+    # a drop of exactly --max-drop points (11 of 1000, 1.0999999999999999 in floating point) fails the gate
+    base = base_answers(1000)
+    x = write_run(tmp_path / "x", mmlu_rows(base))
+    y = write_run(tmp_path / "y", mmlu_rows(flipped(base, 11, 0)))
+    assert main(["regress", "--baseline", str(x), "--candidate", str(y), "--max-drop", "1.1"]) == 1
+    capsys.readouterr()
+    # runs made from other data are refused unless the user says so
+    fa = write_run(tmp_path / "fa", mmlu_rows(base[:50]), identity={"task": "mmlu", "data_fingerprint": "sha-AAAA"})
+    fb = write_run(tmp_path / "fb", mmlu_rows(base[:50]), identity={"task": "mmlu", "data_fingerprint": "sha-BBBB"})
+    _fails(capsys, ["compare", str(fa), str(fb)], "different data", "sha-AAAA", "--allow-different-data")
+    assert main(["compare", str(fa), str(fb), "--allow-different-data"]) == 0
+    # a run whose rows were all skipped is named as such
+    skipped = [{**r, "skipped": True, "correct": None} for r in mmlu_rows(base_answers(5))]
+    s = write_run(tmp_path / "skipped", skipped)
+    _fails(capsys, ["compare", str(x), str(s)], "no scored rows in skipped (5 rows stored, all skipped)")
+    # hand-edited manifests with fields of the wrong type do not crash the header
+    w = write_run(tmp_path / "w", mmlu_rows(base), cache_bytes_per_token="big",
+                  throughput={"wall_seconds": "slow", "prompt_tokens": None})
+    assert main(["compare", str(x), str(w)]) == 0

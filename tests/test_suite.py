@@ -105,7 +105,8 @@ dtype = "float32"
 output_dir = "{earlier}"
 """)
     assert main(["suite", str(suite), "--no-progress"]) == 0           # a first night: nothing to gate against
-    assert "not gated" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NOT GATED" in out and "in 0 gated runs; 1 of 1 NOT GATED" in out
     run = root / "mmlu" / "m" / "fp32"
     rows = read_samples(run).to_dict("records")
     assert sum(r["correct"] for r in rows) < 30
@@ -117,7 +118,7 @@ output_dir = "{earlier}"
         store.finalize()
     assert main(["suite", str(suite), "--no-progress"]) == 1
     out = capsys.readouterr().out
-    assert "REGRESSION" in out and "suite gate: 1 of 1 runs regressed" in out
+    assert "REGRESSION" in out and "suite gate: 1 of 1 gated runs regressed" in out
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -131,6 +132,14 @@ output_dir = "{earlier}"
     ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\ncache_modes = ["q9"]\n',
      "unknown cache mode 'q9'"),
     ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "a/b"\n', "must be letters, digits"),
+    ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\n"cache-mode" = "q8"\n',
+     "cache-mode cannot be set in a suite"),
+    ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\noutput_d = "/tmp/elsewhere"\n',
+     "unrecognized arguments: --output-d"),
+    ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\nover = true\n',
+     "unrecognized arguments: --over"),
+    ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\ncache_modes = ["fp32,q4"]\n',
+     "one mode per item"),
     ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\n[baseline]\nmodel = "zz"\n',
      "model 'zz' is not one of the [[models]]"),
     ('output_dir = "x"\n[[tasks]]\nname = "mmlu"\n[[models]]\nname = "m"\n[baseline]\nalpha = 2\nmodel = "m"\n',
@@ -170,3 +179,23 @@ def test_the_readme_example_is_a_valid_suite(tmp_path):
         assert args.output_dir == str(entry.run_dir) and args.cache_modes == [entry.cache_mode]
     mmlu = parser.parse_args(suite.entries[0].argv)
     assert (mmlu.subjects, mmlu.limit, mmlu.cache_tokens) == ("abstract_algebra,anatomy,astronomy", 50, 65536)
+
+
+def test_require_baseline_turns_a_missing_baseline_run_into_exit_2(tmp_path, tiny_model_dir, capsys):
+    suite = _toml(tmp_path / "s.toml", f"""
+output_dir = "{tmp_path / 'tonight'}"
+[[tasks]]
+name = "mmlu"
+data_dir = "{DATA}"
+subjects = ["nutrition"]
+[[models]]
+name = "m"
+path = "{tiny_model_dir}"
+cache_modes = ["fp32"]
+dtype = "float32"
+[baseline]
+output_dir = "{tmp_path / 'last-nihgt'}"
+require_baseline = true
+""")
+    assert main(["suite", str(suite), "--no-progress"]) == 2
+    assert "no baseline run for" in capsys.readouterr().err

@@ -69,10 +69,24 @@ def test_bad_mode_lists_exit_2(tmp_path, capsys, modes, needle):
 def test_humaneval_sweep_shares_the_pipeline(tiny_kv32_dir, tmp_path, capsys):
     argv = ["humaneval", "--model", str(tiny_kv32_dir), "--dtype", "float32", "--limit", "3", "--max-new-tokens", "8",
             "--n-samples", "2", "--temperature", "0.8", "--cache-mode", "fp32,q8", "--output-dir", str(tmp_path),
-            "--no-progress"]
+            "--no-progress", "--export-samples", str(tmp_path / "samples.jsonl")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "humaneval: pass@1 per problem" in out and "paired bootstrap over problems" in out
     for mode in ("fp32", "q8"):
         rows = read_samples(tmp_path / mode)
         assert len(rows) == 6 and read_manifest(tmp_path / mode)["cache_mode"] == mode
+        assert len((tmp_path / f"samples.{mode}.jsonl").read_text().splitlines()) == 6    # one export per mode
+
+
+def test_sweep_table_covers_the_current_selection_and_windows_apply_to_quantized_modes(tiny_kv32_dir, tmp_path,
+                                                                                        capsys):
+    window = ["--cache-window", "32", "--page-size", "32"]
+    assert _mmlu(tiny_kv32_dir, tmp_path, "fp32,q8", "--subjects", "nutrition,philosophy", "--limit", "4",
+                 *window) == 0
+    assert read_manifest(tmp_path / "q8")["cache_window"] == 32
+    assert "cache_window" not in read_manifest(tmp_path / "fp32")["identity"]
+    capsys.readouterr()
+    assert _mmlu(tiny_kv32_dir, tmp_path, "fp32,q8", "--subjects", "nutrition", "--limit", "2", *window) == 0
+    out = capsys.readouterr().out
+    assert "2 shared rows" in out and "left out" not in out
