@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.transforms import offset_copy
 
 from results.compare import OVERALL, Comparison, RunHeader
 from results.compare_format import HEADER_NAMES, coverage_notes, describe, header_cells, result_cells, result_names
@@ -103,12 +104,22 @@ def _delta_plot(c: Comparison) -> Optional[Figure]:
 def _bytes_plot(c: Comparison) -> Figure:
     fig = Figure(figsize=(6.0, 3.6), layout="constrained")
     ax = fig.add_subplot()
+    seen: dict[tuple[int, float], list[str]] = {}           # runs at the same point (e.g. bf16 and fp16)
     for i, h in enumerate(c.runs):
         if h.bytes_per_token is None:
             continue
         r = c.result(OVERALL, h.label)
-        ax.errorbar([h.bytes_per_token], [r.metric], yerr=[_err(r.stderr)], fmt="o", color=_colour(i), capsize=3)
-        ax.annotate(h.cache_mode or "-", (h.bytes_per_token, r.metric), xytext=(6, 6), textcoords="offset points")
+        same = seen.setdefault((h.bytes_per_token, r.metric), [])
+        # coincident runs sit side by side, 7 points apart, so each run's marker stays visible
+        shifted = offset_copy(ax.transData, fig=fig, x=7 * len(same), units="points")
+        ax.errorbar([h.bytes_per_token], [r.metric], yerr=[_err(r.stderr)], fmt="o", color=_colour(i), capsize=3,
+                    transform=shifted)
+        same.append(h.cache_mode or "-")
+        err = _err(r.stderr)
+        ax.update_datalim([(h.bytes_per_token, r.metric - err), (h.bytes_per_token, r.metric + err)])
+    ax.autoscale_view()                      # the shifted transform does not update the data limits itself
+    for (x, y), modes in seen.items():
+        ax.annotate(" = ".join(modes), (x, y), xytext=(6 + 7 * (len(modes) - 1), 6), textcoords="offset points")
     ax.set_xlabel("KV-cache bytes per token")
     ax.set_ylabel(c.metric)
     ax.margins(x=0.15, y=0.2)
