@@ -92,7 +92,7 @@ def _mmlu(model_dir: Path, out: Path, *extra: str) -> int:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--cache-mode", "q3"], "invalid choice: 'q3'"),
+    (["--cache-mode", "q3"], "unknown cache mode 'q3'"),
     (["--cache-memory", "2XB"], "expected a size such as 2GiB"),
     (["--cache-memory", "1GiB", "--cache-tokens", "4096"], "not allowed with argument"),
     (["--cache-mode", "q4", "--cache-memory", "4KiB"], "too small"),

@@ -1,0 +1,105 @@
+"""Small-M float32 linears on CPU (issue 12): GFLOP/s of each exact path at decode shapes, against
+the machine's measured large-sgemm roof, and whether each path is batch-invariant (a row's output
+bitwise equal whatever the number of rows beside it).
+
+    python -m benchmarks.bench_linear [--rows 1,8,32,64,128,256] [--model DIR] [--repeat 30]
+
+Shapes: SmolLM2-135M's fused QKV, output, gate/up, down projections and the LM head (or those of
+--model). Variants are interleaved per shape, median of --repeat calls after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.linear import make_linear, linear
+
+Variant = Callable[[torch.Tensor], torch.Tensor]
+
+
+def sgemm_roof(n: int = 2048, repeat: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / min(times) / 1e9
+
+
+def shapes(model_dir: Path | None) -> dict[str, tuple[int, int]]:
+    """name -> (out, in) of each linear of one layer, plus the LM head."""
+    if model_dir is None:
+        h, i, q, kv, v = 576, 1536, 576, 192, 49152
+    else:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        h, i = cfg["hidden_size"], cfg["intermediate_size"]
+        d = cfg.get("head_dim", h // cfg["num_attention_heads"])
+        q, kv, v = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d, cfg["vocab_size"]
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (v, h)}
+
+
+def variants(w: torch.Tensor) -> dict[str, Variant]:
+    packed = make_linear(w)
+    wt = w.t().contiguous()                                  # [in, out]
+    return {
+        "F.linear": lambda x: F.linear(x, w),
+        "onednn-packed": lambda x: linear(x, packed),
+        "x@wT(contig)": lambda x: torch.mm(x, wt),
+        "(w@xT)T": lambda x: torch.mm(w, x.t()).t().contiguous(),
+    }
+
+
+def time_call(fn: Variant, x: torch.Tensor, repeat: int) -> float:
+    fn(x)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def batch_invariant(fn: Variant, w: torch.Tensor, rows: list[int]) -> bool:
+    """Row 0's output bitwise equal for every M in rows."""
+    x = torch.randn(max(rows), w.shape[1], generator=torch.Generator().manual_seed(0))
+    ref = fn(x[:1])[0]
+    return all(torch.equal(fn(x[:m])[0], ref) for m in rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,8,32,64,128,256")
+    p.add_argument("--model", type=Path)
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
+    roof = sgemm_roof()
+    print(f"threads {torch.get_num_threads()}, large-sgemm roof {roof:.1f} GFLOP/s")
+    result: dict = {"roof_gflops": roof, "threads": torch.get_num_threads(), "shapes": {}}
+    for name, (n_out, n_in) in shapes(a.model).items():
+        w = torch.randn(n_out, n_in) * 0.02
+        vs = variants(w)
+        inv = {v: batch_invariant(fn, w, rows) for v, fn in vs.items()}
+        result["shapes"][name] = {"out": n_out, "in": n_in, "batch_invariant": inv, "gflops": {}}
+        print(f"\n{name} [{n_out} x {n_in}]  batch-invariant: " + ", ".join(f"{v} {ok}" for v, ok in inv.items()))
+        for m in rows:
+            x = torch.randn(m, n_in)
+            g = {v: 2 * m * n_in * n_out / time_call(fn, x, a.repeat) / 1e9 for v, fn in vs.items()}
+            result["shapes"][name]["gflops"][m] = g
+            print(f"  M={m:<4} " + "  ".join(f"{v} {x:6.1f} ({x / roof:4.0%})" for v, x in g.items()))
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
