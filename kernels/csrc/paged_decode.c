@@ -246,9 +246,69 @@ static inline void axpys(float *acc, const float *w, const float *const *v, int 
     }
 }
 
-/* One sequence, one KV head at a time: its Gq query heads scored against every key, an
- * exact two-pass softmax, then the values summed with those weights. Keys and values are
- * read once per KV head, in page order (sequential memory, which the prefetcher follows). */
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for x <= 0, 8 lanes: x = n ln2 + r (|r| <= ln2/2, ln2 split in two parts), a degree-6
+ * polynomial for e^r (Cephes' coefficients, within ~2 ulp of expf over the range), times 2^n
+ * built in the exponent bits. Below -87.3 the result is 0 (expf gives a denormal there). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+/* In place: sh[pos] = exp(scale * sh[pos] - max); returns the sum. The same code runs for every
+ * row whatever the batch, so a row's weights never depend on its neighbours. */
+static float softmax_weights(float *sh, int L, float scale) {
+    int pos = 0;
+    float m = -INFINITY, sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 sv = _mm256_set1_ps(scale);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; pos + 8 <= L; pos += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sh + pos), sv);
+        _mm256_storeu_ps(sh + pos, x);
+        mv = _mm256_max_ps(mv, x);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+#endif
+    for (int p = pos; p < L; p++) { sh[p] *= scale; m = sh[p] > m ? sh[p] : m; }
+    pos = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; pos + 8 <= L; pos += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sh + pos), mb));
+        _mm256_storeu_ps(sh + pos, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; pos < L; pos++) { sh[pos] = expf(sh[pos] - m); sum += sh[pos]; }
+    return sum;
+}
+
+/* One sequence: every query head scored against every key, an exact two-pass softmax
+ * (vectorized exp), then the values summed with those weights. Keys and values are read
+ * once, block by block in page order with all KV heads of a slot together (sequential
+ * memory, which the prefetcher follows); interleaved A/B against reading one head's slice
+ * per pass: 1.2-1.5x at 1-32 rows x 300-2,000 positions (SmolLM2 shapes, AVX2). */
 static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *acc, float *inv_sum) {
     const int Hq = a->Hq, Hkv = a->Hkv, Gq = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
     const int L = a->seq_lens[b];
@@ -264,8 +324,10 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     Window wk = {a->wk, a->w_kind, a->wk ? a->win_start[b] : L, a->wk ? (int64_t)a->win_slot[b] * a->WW : 0};
     Window wv = wk;
     wv.store = a->wv;
-    for (int h = 0; h < Hkv; h++) {
-        for (int p0 = 0; p0 < L; p0 += BLOCK) {
+    /* Positions outer, KV heads inner: a block of slots is read whole, in memory order (a slot
+     * holds every head), instead of one head's slice per pass over the context. */
+    for (int p0 = 0; p0 < L; p0 += BLOCK) {
+        for (int h = 0; h < Hkv; h++) {
             const int n = load_rows(a->k, a->k_scale, a->k_kind, a->G, pages, S, p0, L - p0 < BLOCK ? L - p0 : BLOCK,
                                     h, D, W, rowbuf, rows, &wk);
             for (int g = 0; g < Gq; g++) {
@@ -273,16 +335,13 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
                 dots(q + (int64_t)hq * D, rows, n, D, scores + hq * lmax + p0);
             }
         }
-        for (int g = 0; g < Gq; g++) {
-            const int hq = h * Gq + g;
-            float *sh = scores + hq * lmax;
-            float m = -INFINITY, sum = 0.0f;
-            for (int pos = 0; pos < L; pos++) { sh[pos] *= a->scale; m = sh[pos] > m ? sh[pos] : m; }
-            for (int pos = 0; pos < L; pos++) { sh[pos] = expf(sh[pos] - m); sum += sh[pos]; }
-            inv_sum[hq] = 1.0f / sum;
-            memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
-        }
-        for (int p0 = 0; p0 < L; p0 += VBLOCK) {
+    }
+    for (int hq = 0; hq < Hq; hq++) {
+        inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, L, a->scale);
+        memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
+    }
+    for (int p0 = 0; p0 < L; p0 += VBLOCK) {
+        for (int h = 0; h < Hkv; h++) {
             const int n = load_rows(a->v, a->v_scale, a->v_kind, a->G, pages, S, p0, L - p0 < VBLOCK ? L - p0 : VBLOCK,
                                     h, D, W, rowbuf, rows, &wv);
             for (int g = 0; g < Gq; g++) {
