@@ -102,11 +102,10 @@ class Model:
         sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
         for i, layer in enumerate(self.layers):
             x = self._attention(i, layer, x, cos, sin, batch, cache)          # x + attention
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = linear(F.silu(gate).mul_(up), layer.w_down, residual=x)
+            h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x = linear(self.kernels.silu_mul(linear(h, layer.w_gate_up)), layer.w_down, residual=x)
         h = x.index_select(0, batch.logits_indices).float()               # [N, H]
-        h = F.rms_norm(h, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+        h = self.kernels.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head)                                    # [N, V] float32
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
@@ -114,7 +113,7 @@ class Model:
         """x + self-attention(x) (the residual add fused into the output projection)."""
         cfg = self.config
         t = x.shape[0]
-        h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+        h = self.kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qk = apply_rope(qkv[:, :q_size + kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import kv_quant_native, paged_decode
+from . import fused, kv_quant_native, paged_decode
 from .attention import AttentionMetadata, attend
 from .cache_ops import copy_page_prefix_torch, write_kv_torch
 from .kv_format import KVFormat, LayerKV
@@ -44,9 +44,17 @@ class TorchKernels:
         """k, v: the forward's new K/V (needed by formats with a recent-token window)."""
         return attend(q, layer, meta, scale, k=k, v=v)
 
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused.rms_norm_reference(x, w, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused [gate | up] projection output."""
+        return fused.silu_mul_reference(gate_up)
+
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         """Which implementation runs each op for a cache in `fmt` (recorded in run manifests)."""
-        return {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa"}
+        return {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
+                "norm_act": "torch"}
 
 
 class NativeCpuKernels(TorchKernels):
@@ -61,8 +69,20 @@ class NativeCpuKernels(TorchKernels):
         return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
                       kv_quant_native.rotate_native, k, v)
 
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if fused.supported(x) and w.dtype == torch.float32 and fused.available():
+            return fused.rms_norm_native(x, w, eps)
+        return fused.rms_norm_reference(x, w, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if fused.supported(gate_up) and fused.available():
+            return fused.silu_mul_native(gate_up)
+        return fused.silu_mul_reference(gate_up)
+
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         out = super().describe(fmt)
+        if fused.available():
+            out["norm_act"] = "native-c (float32 rows)"
         if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
             out["decode_attention"] = "native-c"
         if fmt.quantized and kv_quant_native.quantize_available():
@@ -96,7 +116,7 @@ class TritonKernels(TorchKernels):
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         return {"kv_write": "torch" if fmt.quantized else "triton", "decode_attention": "triton",
-                "prefill_attention": "torch-sdpa" if fmt.window else "triton"}
+                "prefill_attention": "torch-sdpa" if fmt.window else "triton", "norm_act": "torch"}
 
 
 def triton_available() -> bool:

@@ -209,9 +209,9 @@ def test_backend_choice_describe_and_fallbacks():
     assert isinstance(choose_kernels("cuda"), TritonKernels)
     kernels = TritonKernels()
     assert kernels.describe(KV_FORMATS["bf16"]) == {"kv_write": "triton", "decode_attention": "triton",
-                                                    "prefill_attention": "triton"}
+                                                    "prefill_attention": "triton", "norm_act": "torch"}
     assert kernels.describe(KV_FORMATS["q4"]) == {"kv_write": "torch", "decode_attention": "triton",
-                                                  "prefill_attention": "torch-sdpa"}
+                                                  "prefill_attention": "torch-sdpa", "norm_act": "torch"}
     # a layout the kernels do not take goes to the reference, with the reference's answer
     layer, q, meta = _case(PAGE_FORMATS["fp32"], 4, 2, 32, 4, [6, 9], [1, 4], 0, torch.float64)
     assert not triton_attention.supported(q, layer)

@@ -1,0 +1,136 @@
+/* Fused element-wise ops of a transformer layer on the CPU, float32, one pass over the rows:
+ *
+ *   rms_norm(x [T, H], w [H]) -> out [T, H]      out = x / sqrt(mean(x^2) + eps) * w
+ *   silu_mul(gu [T, 2I])      -> out [T, I]      out = silu(gu[:, :I]) * gu[:, I:]
+ *
+ * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
+ * never depends on how many rows share the call (batch invariance). Rows are split over up to
+ * `nthreads` threads. The torch references are kernels/fused.py's rms_norm_reference and
+ * silu_mul_reference.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define ROWS_PER_TASK 8
+
+typedef struct {
+    int op;                        /* 0 rms_norm, 1 silu_mul */
+    const float *x, *w;
+    float *out;
+    int T, H;                      /* rows, columns of the output */
+    float eps;
+    atomic_int *next;
+} Task;
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for x <= 0 (see paged_decode.c: Cephes' polynomial, ~2 ulp; below -87.3 gives 0). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+static void rms_row(const float *x, const float *w, float *out, int H, float eps) {
+    int j = 0;
+    float ss = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (; j + 16 <= H; j += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
+    for (int i = 0; i < 8; i++) ss += lanes[i];
+#endif
+    for (; j < H; j++) ss += x[j] * x[j];
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (; j + 8 <= H; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv), _mm256_loadu_ps(w + j)));
+#endif
+    for (; j < H; j++) out[j] = x[j] * inv * w[j];
+}
+
+/* silu(g) * u with silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (never overflows). */
+static void silu_mul_row(const float *gu, float *out, int I) {
+    const float *g = gu, *u = gu + I;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));            /* exp(-|g|) */
+        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, pos);   /* g >= 0: 1/(1+e) */
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < I; j++) {
+        const float e = expf(-fabsf(g[j]));
+        const float sig = g[j] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        out[j] = g[j] * sig * u[j];
+    }
+}
+
+static void *worker(void *p) {
+    const Task *t = (const Task *)p;
+    for (int r0 = atomic_fetch_add(t->next, ROWS_PER_TASK); r0 < t->T; r0 = atomic_fetch_add(t->next, ROWS_PER_TASK)) {
+        const int r1 = r0 + ROWS_PER_TASK < t->T ? r0 + ROWS_PER_TASK : t->T;
+        for (int r = r0; r < r1; r++) {
+            if (t->op == 0)
+                rms_row(t->x + (int64_t)r * t->H, t->w, t->out + (int64_t)r * t->H, t->H, t->eps);
+            else
+                silu_mul_row(t->x + (int64_t)r * 2 * t->H, t->out + (int64_t)r * t->H, t->H);
+        }
+    }
+    return NULL;
+}
+
+static int run(int op, const float *x, const float *w, float *out, int T, int H, float eps, int nthreads) {
+    if (T < 0 || H < 1) return 1;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    atomic_int next = 0;
+    Task task = {op, x, w, out, T, H, eps, &next};
+    pthread_t threads[64];
+    int started = 0;
+    for (int i = 1; i < nthreads; i++) {
+        if (pthread_create(&threads[i], NULL, worker, &task) != 0) break;
+        started = i;
+    }
+    worker(&task);
+    for (int i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+    return 0;
+}
+
+int rms_norm_f32(const float *x, const float *w, float *out, int T, int H, float eps, int nthreads) {
+    return run(0, x, w, out, T, H, eps, nthreads);
+}
+
+int silu_mul_f32(const float *gate_up, float *out, int T, int I, int nthreads) {
+    return run(1, gate_up, 0, out, T, I, 0.0f, nthreads);
+}
