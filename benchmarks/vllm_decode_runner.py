@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Standalone vLLM greedy-generation runner used to compare evalrun's decoding against vLLM (CPU build).
+
+Runs under a separate virtual environment that has vLLM installed (e.g.
+/tmp/vllm-venv/bin/python); it imports nothing from this repository, only the
+standard library and vllm.
+
+Usage:
+    python benchmarks/vllm_decode_runner.py --model DIR --in prompts.json --out result.json \
+        [--dtype float32] [--prefix-caching/--no-prefix-caching] [--max-model-len 4096] \
+        [--min-tokens/--no-min-tokens] [--enforce-eager]
+
+Input JSON:  {"prompts": [[token ids], ...], "new_tokens": T}
+             Token ids are passed verbatim (TokensPrompt(prompt_token_ids=...), no BOS added).
+Output JSON: {"vllm_version", "load_seconds", "warmup_seconds", "seconds",
+              "token_ids": [[T ids] per prompt, input order], "finish_reasons",
+              "prompt_tokens", "num_prompts", "new_tokens", "sampling", "settings"}
+
+`seconds` times the one `LLM.generate` call over all prompts only (engine start-up and
+the warm-up are reported separately). Sampling is greedy (temperature 0) with exactly T
+new tokens per prompt: max_tokens=T, ignore_eos=True (EOS does not stop a request) and,
+by default, min_tokens=T.
+
+NOTE (vLLM 0.32): SamplingParams.update_from_generation_config adds the EOS id to
+all_stop_token_ids even with ignore_eos=True, and the min-tokens logits processor bans
+every id there until min_tokens are generated: with min_tokens=T vLLM never emits EOS
+(like transformers' min_new_tokens); with --no-min-tokens it may emit EOS and go on.
+The model's generation_config.json is not applied (generation_config="vllm"), so no
+sampling defaults (repetition penalty, ...) sneak in.
+
+The environment defaults to all of this process's cores for vLLM's OpenMP threads
+(VLLM_CPU_OMP_THREADS_BIND=0-N), VLLM_CPU_KVCACHE_SPACE=4 (GiB) and HF_HUB_OFFLINE=1;
+values already set are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ENV_KEYS = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "HF_HUB_OFFLINE",
+    "OMP_NUM_THREADS",
+)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--in", dest="inp", required=True, help="input prompts JSON")
+    p.add_argument("--out", required=True, help="output result JSON")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="enable vLLM automatic prefix caching (default: on)")
+    p.add_argument("--min-tokens", dest="min_tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="min_tokens=T (default: on; in vLLM 0.32 this also bans EOS, see the docstring)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="disable torch.compile in vLLM (faster start, maybe slower run)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def default_env():
+    """All cores this process may run on, unless the caller bound vLLM already."""
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def load_input(path):
+    with open(path) as f:
+        data = json.load(f)
+    prompts = [[int(t) for t in p] for p in data["prompts"]]
+    new_tokens = int(data["new_tokens"])
+    if not prompts:
+        raise SystemExit("no prompts in input")
+    if any(not p for p in prompts):
+        raise SystemExit("an input prompt is empty")
+    if new_tokens < 1:
+        raise SystemExit(f"new_tokens must be >= 1, got {new_tokens}")
+    return prompts, new_tokens
+
+
+def warmup_prompts(prompts):
+    """Two short prompts that are not prefixes of the timed ones (reversed slices), so the
+    warm-up does not pre-fill the prefix cache for the timed call."""
+    first = prompts[0]
+    a = list(reversed(first[: min(8, len(first))]))
+    b = list(reversed(first[: min(12, len(first))])) + [first[0]]
+    return [a, b]
+
+
+def sampling(new_tokens, min_tokens):
+    from vllm import SamplingParams
+
+    kwargs = dict(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    if min_tokens:
+        kwargs["min_tokens"] = new_tokens
+    return SamplingParams(**kwargs), kwargs
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    prompts, new_tokens = load_input(args.inp)
+    default_env()
+
+    import vllm
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    engine_kwargs = dict(
+        model=args.model,
+        tokenizer=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching,
+        generation_config="vllm",
+        seed=args.seed,
+        trust_remote_code=False,
+    )
+    if args.enforce_eager:
+        engine_kwargs["enforce_eager"] = True
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    load_seconds = time.perf_counter() - t0
+
+    def to_inputs(ps):
+        return [TokensPrompt(prompt_token_ids=p) for p in ps]
+
+    warm_sp, _ = sampling(4, args.min_tokens)
+    t0 = time.perf_counter()
+    llm.generate(to_inputs(warmup_prompts(prompts)), warm_sp, use_tqdm=False)
+    warmup_seconds = time.perf_counter() - t0
+
+    sp, sp_kwargs = sampling(new_tokens, args.min_tokens)
+    inputs = to_inputs(prompts)
+    t0 = time.perf_counter()
+    outputs = llm.generate(inputs, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+
+    token_ids = [list(out.outputs[0].token_ids) for out in outputs]
+    finish = [out.outputs[0].finish_reason for out in outputs]
+    counts = sorted({len(t) for t in token_ids})
+    if counts != [new_tokens]:
+        print(f"warning: vLLM generated {counts} tokens per prompt, not all {new_tokens}", file=sys.stderr)
+
+    settings = dict(engine_kwargs)
+    settings["env"] = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
+    try:
+        import torch
+
+        settings["torch_version"] = torch.__version__
+        settings["torch_num_threads"] = torch.get_num_threads()
+    except Exception:  # pragma: no cover
+        pass
+
+    result = {
+        "vllm_version": getattr(vllm, "__version__", "unknown"),
+        "load_seconds": load_seconds,
+        "warmup_seconds": warmup_seconds,
+        "seconds": seconds,
+        "token_ids": token_ids,
+        "finish_reasons": finish,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "num_prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "sampling": {k: v for k, v in sp_kwargs.items()},
+        "settings": settings,
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(
+        f"vllm {result['vllm_version']}: load {load_seconds:.1f}s, warmup {warmup_seconds:.2f}s, "
+        f"generate {seconds:.2f}s for {len(prompts)} prompts x {new_tokens} new tokens "
+        f"({result['prompt_tokens']} prompt tokens) -> {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
