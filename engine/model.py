@@ -19,7 +19,7 @@ from kernels.backend import TorchKernels, choose_kernels
 from kernels.linear import Linear, linear, linear_backend, make_linear
 
 from .config import ModelConfig
-from .rope import apply_rope, rope_inv_freq, rope_table
+from .rope import rope_inv_freq, rope_table
 from .weights import WeightReader
 
 if TYPE_CHECKING:
@@ -115,15 +115,10 @@ class Model:
         t = x.shape[0]
         h = self.kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qk = apply_rope(qkv[:, :q_size + kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                        cos, sin)                                          # q and k heads at once
-        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-        v = qkv[:, q_size + kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         kv = cache.layer(i)
-        self.kernels.write_kv(k, v, kv, batch.slot_mapping)
+        q, k, v = self.kernels.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv, batch.slot_mapping)
         o = self.kernels.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v)  # [T, Hq, D]
-        return linear(o.reshape(t, q_size), layer.wo, residual=x)
+        return linear(o.reshape(t, cfg.num_heads * cfg.head_dim), layer.wo, residual=x)
 
 
 def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device,

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from kernels.fused import apply_rope  # noqa: F401  (the model's rope op lives beside its native version)
+
 from .config import RopeConfig
 
 
@@ -41,15 +43,3 @@ def rope_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor
     freqs = torch.outer(positions, inv_freq)          # [S, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)           # [S, D]
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (may be a strided view); cos/sin [T, D] already gathered at the tokens'
-    positions. Returns a new [T, H, D] tensor: x * cos + rotate_half(x) * sin, computed as
-    one multiply and two multiply-adds on the halves (no concatenated copy of x)."""
-    half = x.shape[-1] // 2
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
-    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-    return out

@@ -44,6 +44,13 @@ class TorchKernels:
         """k, v: the forward's new K/V (needed by formats with a recent-token window)."""
         return attend(q, layer, meta, scale, k=k, v=v)
 
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                      layer: LayerKV, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rope on the fused QKV rows' q and k heads, k and v written into the cache; returns
+        q [T, hq, D] and this forward's k, v (None where no op of the format needs them)."""
+        return fused.rope_write_reference(qkv, cos, sin, hq, hkv,
+                                          lambda k, v: self.write_kv(k, v, layer, slot_mapping))
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return fused.rms_norm_reference(x, w, eps)
 
@@ -69,19 +76,29 @@ class NativeCpuKernels(TorchKernels):
         return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
                       kv_quant_native.rotate_native, k, v)
 
+    def __init__(self) -> None:
+        self._fused = fused.available()           # decided once, when the model loads (not per call)
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                      layer: LayerKV, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._fused and not layer.fmt.quantized and fused.rope_write_supported(qkv, cos, layer.k):
+            q = fused.rope_write_native(qkv, cos, sin, hq, hkv, layer.k, layer.v, slot_mapping)
+            return q, None, None                          # float caches: attention reads k, v from the pages
+        return super().rope_write_kv(qkv, cos, sin, hq, hkv, layer, slot_mapping)
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if fused.supported(x) and w.dtype == torch.float32 and fused.available():
+        if self._fused and fused.supported(x) and w.dtype == torch.float32:
             return fused.rms_norm_native(x, w, eps)
         return fused.rms_norm_reference(x, w, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if fused.supported(gate_up) and fused.available():
+        if self._fused and fused.supported(gate_up):
             return fused.silu_mul_native(gate_up)
         return fused.silu_mul_reference(gate_up)
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         out = super().describe(fmt)
-        if fused.available():
+        if self._fused:
             out["norm_act"] = "native-c (float32 rows)"
         if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
             out["decode_attention"] = "native-c"

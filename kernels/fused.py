@@ -14,7 +14,7 @@ would break that).
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,30 @@ PARALLEL_ELEMENTS = 1 << 16          # below this a second thread costs more tha
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (may be a strided view); cos/sin [T, D] already gathered at the tokens'
+    positions. Returns a new [T, H, D] tensor: x * cos + rotate_half(x) * sin, computed as
+    one multiply and two multiply-adds on the halves (no concatenated copy of x)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
+
+
+def rope_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                         write: Callable[[torch.Tensor, torch.Tensor], None]) -> tuple[torch.Tensor, ...]:
+    """Rope on the q and k heads of the fused QKV rows [T, (hq + 2 hkv) D], then write(k, v);
+    returns q, k, v ([T, H, D] views)."""
+    t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+    qk = apply_rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    q, k = qk[:, :hq], qk[:, hq:]
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    write(k, v)
+    return q, k, v
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -41,6 +65,9 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.rms_norm_f32.argtypes = [ptr, ptr, ptr, i32, i32, ctypes.c_float, i32]
         lib.silu_mul_f32.restype = i32
         lib.silu_mul_f32.argtypes = [ptr, ptr, i32, i32, i32]
+        lib.rope_write_f32.restype = i32
+        lib.rope_write_f32.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, ptr, ctypes.c_int64,
+                                       ptr, ptr, ptr]
         lib._evalrun_typed = True
     return lib
 
@@ -82,3 +109,31 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     if lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i, _threads(t * i, t)) != 0:
         raise ValueError(f"silu_mul_native cannot take shape {tuple(gate_up.shape)}")
     return out
+
+
+def rope_write_supported(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """float32 CPU rows whose columns are contiguous, float32 tables, a float32 cache."""
+    return (supported(qkv) and qkv.stride(1) == 1 and cos.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.device.type == "cpu")
+
+
+def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """As rope_write_reference with a float32 cache ([P + 1, S, Hkv, D] pages), in one pass: returns
+    the rotated q [T, hq, D]; k (rotated) and v go straight into their slots."""
+    lib = _lib()
+    t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+    if lib is None or not rope_write_supported(qkv, cos, k_cache) or qkv.shape[1] != (hq + 2 * hkv) * d:
+        raise ValueError(f"rope_write_native cannot take qkv {tuple(qkv.shape)} {qkv.dtype} with a "
+                         f"{k_cache.dtype} cache")
+    if k_cache.shape[2:] != (hkv, d) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"cache pages {tuple(k_cache.shape)} do not hold {hkv} heads of {d}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q = torch.empty(t, hq, d, dtype=torch.float32)
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.rope_write_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, hq, hkv, d,
+                            slots.data_ptr(), n_slots, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+    if rc != 0:
+        raise ValueError(f"slot mapping outside the cache's {n_slots} slots, or odd head dim {d}")
+    return q

@@ -51,3 +51,46 @@ def test_backends_route_by_dtype():
     assert torch.equal(NativeCpuKernels().rms_norm(x, w, 1e-6), ref)           # bf16: the reference runs
     with pytest.raises(ValueError, match="float32 CPU rows"):
         fused.rms_norm_native(x, w, 1e-6)
+
+
+def _rope_case(t: int, hq: int, hkv: int, d: int, seed: int):
+    from engine.rope import rope_table
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    cos, sin = rope_table(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 4096)
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    pages, size = 6, 16
+    k_cache = torch.full((pages + 1, size, hkv, d), float("nan"))
+    slots = torch.randperm(pages * size, generator=g)[:t]
+    return qkv, cos[pos], sin[pos], k_cache, slots
+
+
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 9, 3, 64), (7, 4, 4, 32), (40, 8, 2, 16)])
+def test_rope_write_matches_the_reference(t, hq, hkv, d):
+    _need_native()
+    qkv, cos, sin, k_ref, slots = _rope_case(t, hq, hkv, d, seed=t + hq)
+    v_ref, k_nat, v_nat = k_ref.clone(), k_ref.clone(), k_ref.clone()
+
+    def write(k, v):
+        k_ref.view(-1, hkv, d)[slots] = k
+        v_ref.view(-1, hkv, d)[slots] = v
+
+    q_ref, _, _ = fused.rope_write_reference(qkv, cos, sin, hq, hkv, write)
+    q = fused.rope_write_native(qkv, cos, sin, hq, hkv, k_nat, v_nat, slots)
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_nat, k_ref, atol=1e-6, rtol=1e-6, equal_nan=True)   # untouched slots stay NaN
+    assert torch.equal(v_nat.nan_to_num(), v_ref.nan_to_num())                       # v is copied as it is
+    # a row alone gives bitwise the same q as among the others
+    assert torch.equal(fused.rope_write_native(qkv[-1:], cos[-1:], sin[-1:], hq, hkv, k_nat.clone(),
+                                               v_nat.clone(), slots[-1:]), q[-1:])
+
+
+def test_rope_write_refuses_slots_outside_the_cache():
+    _need_native()
+    qkv, cos, sin, k_cache, slots = _rope_case(3, 4, 2, 16, seed=1)
+    before = k_cache.clone()
+    bad = slots.clone()
+    bad[1] = k_cache.shape[0] * k_cache.shape[1]
+    with pytest.raises(ValueError, match="outside the cache"):
+        fused.rope_write_native(qkv, cos, sin, 4, 2, k_cache, k_cache.clone(), bad)
+    assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())                   # nothing written

@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -133,4 +134,34 @@ int rms_norm_f32(const float *x, const float *w, float *out, int T, int H, float
 
 int silu_mul_f32(const float *gate_up, float *out, int T, int I, int nthreads) {
     return run(1, gate_up, 0, out, T, I, 0.0f, nthreads);
+}
+
+/* Rope on the q and k heads of the fused QKV projection, k and v written straight into float32
+ * pages, q returned rotated:
+ *   qkv  [T, row_stride] with q heads [Hq, D], then k heads [Hkv, D], then v heads [Hkv, D]
+ *   cos, sin [T, D] at each token's position; rotate-half convention (first half with second):
+ *     out[:h] = x[:h] cos[:h] - x[h:] sin[:h],  out[h:] = x[h:] cos[h:] + x[:h] sin[h:]
+ *   slots [T] int64 flat cache slots (page * S + offset); k_cache, v_cache [n_slots, Hkv, D]
+ *   q_out [T, Hq, D]
+ * Returns 0, or 1 (nothing written) when a slot is outside [0, n_slots) or D is odd. */
+static inline void rope_head(const float *x, const float *c, const float *s, float *out, int D) {
+    const int h = D / 2;
+    for (int j = 0; j < h; j++) out[j] = x[j] * c[j] - x[h + j] * s[j];
+    for (int j = h; j < D; j++) out[j] = x[j] * c[j] + x[j - h] * s[j];
+}
+
+int rope_write_f32(const float *qkv, int64_t row_stride, const float *cos, const float *sin, int T, int Hq,
+                   int Hkv, int D, const int64_t *slots, int64_t n_slots, float *k_cache, float *v_cache,
+                   float *q_out) {
+    if (D % 2) return 1;
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= n_slots) return 1;
+    for (int t = 0; t < T; t++) {
+        const float *row = qkv + (int64_t)t * row_stride, *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < Hq; h++) rope_head(row + (int64_t)h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, D);
+        float *kd = k_cache + slots[t] * Hkv * D, *vd = v_cache + slots[t] * Hkv * D;
+        for (int h = 0; h < Hkv; h++) rope_head(row + (int64_t)(Hq + h) * D, c, s, kd + (int64_t)h * D, D);
+        memcpy(vd, row + (int64_t)(Hq + Hkv) * D, sizeof(float) * (size_t)Hkv * D);
+    }
+    return 0;
 }
