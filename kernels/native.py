@@ -65,7 +65,8 @@ def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
     tmp: Optional[str] = None
     try:
         src = CSRC / f"{name}.c"
-        key = hashlib.sha256(src.read_bytes() + " ".join([cc, *flags, *LIBS]).encode()
+        headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))     # included by the sources
+        key = hashlib.sha256(src.read_bytes() + headers + " ".join([cc, *flags, *LIBS]).encode()
                              + (cpu or f"portable {os.uname().machine}").encode())
         out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
         if not out.exists():
