@@ -72,9 +72,18 @@ class NativeCpuKernels(TorchKernels):
 
     def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        native = meta.num_decode and paged_decode.supported(q, layer)
+        native = meta.num_decode and self._decode_supported(q, layer)
         return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
                       kv_quant_native.rotate_native, k, v)
+
+    def _decode_supported(self, q: torch.Tensor, layer: LayerKV) -> bool:
+        """paged_decode.supported, remembered per layer and query layout: a layer's tensors keep
+        their shapes, dtypes and device for its life, and the check costs ~50 us per layer and step."""
+        key = (tuple(q.shape[1:]), q.dtype, q.device.type, q.dim())
+        memo = layer.__dict__.setdefault("_native_decode_ok", {})
+        if key not in memo:
+            memo[key] = paged_decode.supported(q, layer)
+        return memo[key]
 
     def __init__(self) -> None:
         self._fused = fused.available()           # decided once, when the model loads (not per call)

@@ -72,6 +72,18 @@ def _lib() -> Optional[ctypes.CDLL]:
     return lib
 
 
+_handle: Optional[ctypes.CDLL] = None
+
+
+def _ready() -> Optional[ctypes.CDLL]:
+    """The loaded library, looked up once (the callers run ~100 times per decode step; whether
+    to use the native ops at all is decided by `available()` when a backend is made)."""
+    global _handle
+    if _handle is None:
+        _handle = _lib()
+    return _handle
+
+
 def available() -> bool:
     return _lib() is not None
 
@@ -86,7 +98,7 @@ def _threads(elements: int, rows: int) -> int:
 
 
 def rms_norm_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    lib = _lib()
+    lib = _ready()
     if lib is None or not supported(x) or w.dtype != torch.float32 or w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm_native takes float32 CPU rows [T, H] and weights [H], got {tuple(x.shape)} "
                          f"{x.dtype} {x.device}, {tuple(w.shape)} {w.dtype}")
@@ -99,7 +111,7 @@ def rms_norm_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
-    lib = _lib()
+    lib = _ready()
     if lib is None or not supported(gate_up) or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul_native takes float32 CPU rows [T, 2I], got {tuple(gate_up.shape)} "
                          f"{gate_up.dtype} {gate_up.device}")
@@ -121,7 +133,7 @@ def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """As rope_write_reference with a float32 cache ([P + 1, S, Hkv, D] pages), in one pass: returns
     the rotated q [T, hq, D]; k (rotated) and v go straight into their slots."""
-    lib = _lib()
+    lib = _ready()
     t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
     if lib is None or not rope_write_supported(qkv, cos, k_cache) or qkv.shape[1] != (hq + 2 * hkv) * d:
         raise ValueError(f"rope_write_native cannot take qkv {tuple(qkv.shape)} {qkv.dtype} with a "
