@@ -115,6 +115,16 @@ def cast(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
+    """One block of base-2 scores s [M, N] and its values v [N, D] folded into the running
+    max m_i, sum l_i and output acc (flash attention's online softmax)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
+
+
+@triton.jit
 def _mma(a, b, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
     """acc + a @ b, float32 accumulation. NATIVE: a rounded to b's 16-bit dtype and multiplied
     on the tensor cores (EMULATE: the same rounded inputs multiplied in float32); else exact
@@ -188,12 +198,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
                         w_slot, w_start, HKV, D, K_BITS, V_BITS, GROUP, WINDOW)   # [N, D]
         s = _mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), NATIVE, EMULATE) * scale_log2
         s = tl.where(pmask[None, :], s, float("-inf"))                           # [G, N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE)
     part = (b * (HKV * GQA) + heads).to(tl.int64) * num_splits + split           # [G]
     gmask = g < GQA
     tl.store(acc_ptr + part[:, None] * D + col[None, :], acc, mask=gmask[:, None] & dmask[None, :])
@@ -267,12 +272,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, len
                             0, 0, HKV, D, K_BITS, V_BITS, GROUP, 0)
             s = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), NATIVE, EMULATE) * scale_log2
             s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE)
         o = acc / l_i[:, None]
         tl.store(out_ptr + tok[:, None] * out_stride_t + h * out_stride_h + col[None, :],
                  cast(o, out_ptr.dtype.element_ty, EMULATE), mask=rmask[:, None] & dmask[None, :])
