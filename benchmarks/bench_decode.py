@@ -37,10 +37,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -48,7 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, ratio,
-                               timed, write_result)
+                               run_vllm_runner, timed, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
@@ -168,21 +165,9 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
 def run_vllm(args: Any, model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
     """benchmarks/vllm_decode_runner.py under --vllm-python, on the same ids, all cores bound
     (VLLM_CPU_OMP_THREADS_BIND=0-N unless set). Its timing excludes engine start-up."""
-    runner = Path(__file__).resolve().parent / "vllm_decode_runner.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
-        src.write_text(json.dumps({"prompts": prompts, "new_tokens": args.new_tokens}))
-        cmd = [str(args.vllm_python), str(runner), "--model", str(model_dir), "--in", str(src),
-               "--out", str(dst), "--dtype", args.dtype]
-        if args.vllm_no_min_tokens:
-            cmd.append("--no-min-tokens")
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(dst.read_text())
+    extra = ["--no-min-tokens"] if args.vllm_no_min_tokens else []
+    return run_vllm_runner(args.vllm_python, "vllm_decode_runner.py", model_dir, args.dtype,
+                           {"prompts": prompts, "new_tokens": args.new_tokens}, *extra)
 
 
 # --- token identity ------------------------------------------------------------------

@@ -20,10 +20,6 @@ on the same ids (benchmarks/vllm_runner.py in that interpreter; its start-up is 
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -32,7 +28,7 @@ import torch
 
 from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
                                load_mmlu, mmlu_prompt, ratio, select_mmlu,
-                               timed, write_result)
+                               run_vllm_runner, timed, write_result)
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_mmlu_shaped"
@@ -143,19 +139,8 @@ def hf_last_logits(model: Any, seqs: list[list[int]], pad_id: int) -> torch.Tens
 def run_vllm(args: Any, model_dir: Path, questions: list[Question], choice_ids: list[int]) -> dict[str, Any]:
     """benchmarks/vllm_runner.py under --vllm-python, on the same ids; both cores bound
     (VLLM_CPU_OMP_THREADS_BIND=0-1 unless set). Its timing excludes engine start-up."""
-    runner = Path(__file__).resolve().parent / "vllm_runner.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
-        src.write_text(json.dumps({"prompts": [q.ids for q in questions], "choice_ids": choice_ids}))
-        cmd = [str(args.vllm_python), str(runner), "--model", str(model_dir), "--in", str(src),
-               "--out", str(dst), "--dtype", args.dtype]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        out = json.loads(dst.read_text())
+    out = run_vllm_runner(args.vllm_python, "vllm_runner.py", model_dir, args.dtype,
+                          {"prompts": [q.ids for q in questions], "choice_ids": choice_ids})
     out["logprobs"] = torch.tensor(out.pop("choice_logprobs"), dtype=torch.float32)
     return out
 

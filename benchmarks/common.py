@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -196,3 +197,23 @@ def warm_up_ours(model: Any, tokenizer: Any, mode: str, page_size: int, prompt: 
     generator.enqueue(DynamicJob(tokenizer.encode(prompt), max_new_tokens=2))
     while generator.num_remaining_jobs():
         generator.iterate()
+
+
+def run_vllm_runner(python: Path, runner: str, model_dir: Path, dtype: str, payload: dict[str, Any],
+                    *extra: str) -> dict[str, Any]:
+    """benchmarks/<runner> under another venv's `python` (vLLM-CPU), on `payload` (its input JSON),
+    all cores bound (VLLM_CPU_OMP_THREADS_BIND=0-N unless set); returns its output JSON. Its
+    timing excludes the engine's start-up."""
+    script = Path(__file__).resolve().parent / runner
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps(payload))
+        cmd = [str(python), str(script), "--model", str(model_dir), "--in", str(src), "--out", str(dst),
+               "--dtype", dtype, *extra]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(dst.read_text())

@@ -41,13 +41,7 @@ import os
 import sys
 import time
 
-ENV_KEYS = (
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_CPU_KVCACHE_SPACE",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU",
-    "HF_HUB_OFFLINE",
-    "OMP_NUM_THREADS",
-)
+import vllm_common  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 
 def parse_args(argv=None):
@@ -114,25 +108,11 @@ def main(argv=None):
     default_env()
 
     import vllm
-    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    engine_kwargs = dict(
-        model=args.model,
-        tokenizer=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.prefix_caching,
-        generation_config="vllm",
-        seed=args.seed,
-        trust_remote_code=False,
-    )
-    if args.enforce_eager:
-        engine_kwargs["enforce_eager"] = True
+    engine_kwargs = vllm_common.engine_kwargs(args, generation_config="vllm")
 
-    t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs)
-    load_seconds = time.perf_counter() - t0
+    llm, load_seconds = vllm_common.start_engine(engine_kwargs)
 
     def to_inputs(ps):
         return [TokensPrompt(prompt_token_ids=p) for p in ps]
@@ -154,15 +134,7 @@ def main(argv=None):
     if counts != [new_tokens]:
         print(f"warning: vLLM generated {counts} tokens per prompt, not all {new_tokens}", file=sys.stderr)
 
-    settings = dict(engine_kwargs)
-    settings["env"] = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
-    try:
-        import torch
-
-        settings["torch_version"] = torch.__version__
-        settings["torch_num_threads"] = torch.get_num_threads()
-    except Exception:  # pragma: no cover
-        pass
+    settings = vllm_common.run_settings(engine_kwargs)
 
     result = {
         "vllm_version": getattr(vllm, "__version__", "unknown"),

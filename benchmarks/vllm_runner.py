@@ -37,17 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
-ENV_KEYS = (
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_CPU_KVCACHE_SPACE",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU",
-    "HF_HUB_OFFLINE",
-    "OMP_NUM_THREADS",
-)
+import vllm_common  # noqa: E402  (this folder is sys.path[0] when run as a script)
 
 
 def parse_args(argv=None):
@@ -108,30 +101,18 @@ def main(argv=None):
     prompts, choice_ids = load_input(args.inp)
 
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     try:
         from vllm.inputs import TokensPrompt
     except ImportError:  # very old versions: plain dicts work as well
         TokensPrompt = dict  # type: ignore
 
-    engine_kwargs = dict(
-        model=args.model,
-        tokenizer=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.prefix_caching,
-        seed=args.seed,
-        trust_remote_code=False,
-    )
-    if args.enforce_eager:
-        engine_kwargs["enforce_eager"] = True
+    engine_kwargs = vllm_common.engine_kwargs(args)
     if args.method == "full_vocab":
         engine_kwargs["max_logprobs"] = -1  # no cap: allow logprobs=-1
 
-    t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs)
-    load_seconds = time.perf_counter() - t0
+    llm, load_seconds = vllm_common.start_engine(engine_kwargs)
 
     if args.method == "token_ids":
         sp = SamplingParams(
@@ -187,15 +168,7 @@ def main(argv=None):
         if not all(math.isfinite(x) for x in row):
             print(f"warning: non-finite log-prob in prompt {i}: {row}", file=sys.stderr)
 
-    settings = dict(engine_kwargs)
-    settings["env"] = {k: os.environ[k] for k in ENV_KEYS if k in os.environ}
-    try:
-        import torch
-
-        settings["torch_version"] = torch.__version__
-        settings["torch_num_threads"] = torch.get_num_threads()
-    except Exception:  # pragma: no cover
-        pass
+    settings = vllm_common.run_settings(engine_kwargs)
 
     result = {
         "vllm_version": getattr(vllm, "__version__", "unknown"),
