@@ -3,22 +3,33 @@
 Layouts:
     x       [T, in]    model dtype, row-major
     weight  [out, in]  the checkpoint's layout (the reference reads it)
-    packed  oneDNN's blocked layout of `weight`, made once at load (CPU, float32 only)
+    panels  the native GEMM's layout of `weight` (kernels/gemm.py), made once at load
+    packed  oneDNN's blocked layout of `weight`, made once at load (when panels cannot be used)
     y       [T, out]   x's dtype
 
-`linear_reference` is F.linear. The CPU path: oneDNN's matmul on the prepacked weight
-(`torch.ops.mkldnn._linear_pointwise`) runs ~1.2-1.3x faster than MKL's sgemm at
-prefill sizes (T = 2048) on the AVX2 development machine, and as fast as (w @ x^T)^T at
-decode sizes (T = 32); without oneDNN, few rows take (w @ x^T)^T, which runs ~1.7x
-faster than x @ w^T in MKL below 64 rows.
+`linear_reference` is F.linear. CPU float32 paths, chosen once per weight by `linear_backend`:
+  native-gemm       kernels/csrc/gemm.c (AVX2 + FMA): on the 2-core AVX2 development machine
+                    1.1-1.3x oneDNN's speed at 8-256 rows and 1.4-2x at one row, and as fast
+                    at 2048 (benchmarks/bench_linear.py); bitwise batch-invariant at every M
+  onednn-prepacked  oneDNN's matmul on the prepacked weight (`torch.ops.mkldnn._linear_pointwise`)
+  torch             without either, F.linear, or (w @ x^T)^T for few rows (~1.7x faster than
+                    x @ w^T in MKL below 64 rows)
+`EVALRUN_LINEAR=native|onednn|torch` asks for one (benchmarks compare them); a path that cannot
+run here falls back to the next with a logged reason.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from . import gemm
+
+log = logging.getLogger(__name__)
 
 SMALL_M = 64
 
@@ -28,6 +39,7 @@ class Linear:
     weight: torch.Tensor                    # [out, in]
     bias: Optional[torch.Tensor] = None     # [out]
     packed: Optional[torch.Tensor] = None   # oneDNN layout of weight (CPU float32), or None
+    panels: Optional[torch.Tensor] = None   # the native GEMM's layout of weight (CPU float32), or None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -38,18 +50,45 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+BACKENDS = ("native", "onednn", "torch")
+_logged: set[str] = set()
+
+
+def _note_once(msg: str) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        log.warning(msg)
+
+
 def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
-    """What `make_linear` + `linear` run on: "onednn-prepacked" (CPU float32) or "torch"."""
-    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    return "onednn-prepacked" if cpu_fp32 and onednn_available() else "torch"
+    """What `make_linear` + `linear` run on: "native-gemm" or "onednn-prepacked" (CPU float32,
+    in that order of preference), else "torch"."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "torch"
+    choice = os.environ.get("EVALRUN_LINEAR", "").strip().lower() or "native"
+    if choice not in BACKENDS:
+        _note_once(f"EVALRUN_LINEAR={choice!r} is not one of {', '.join(BACKENDS)}: using the default")
+        choice = "native"
+    if choice == "native":
+        reason = gemm.unavailable_reason()
+        if reason is None:
+            return "native-gemm"
+        _note_once(f"float32 linears: {reason}; using oneDNN or torch instead")
+        choice = "onednn"
+    if choice == "onednn" and onednn_available():
+        return "onednn-prepacked"
+    return "torch"
 
 
 def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True) -> Linear:
-    """A Linear; on CPU in float32 with oneDNN (and `pack`), with the weight prepacked."""
-    packed = None
-    if pack and linear_backend(weight.device, weight.dtype) == "onednn-prepacked":
+    """A Linear; on CPU in float32 (and `pack`), with the weight prepacked for the backend."""
+    packed = panels = None
+    backend = linear_backend(weight.device, weight.dtype) if pack else "torch"
+    if backend == "native-gemm":
+        panels = gemm.pack(weight)
+    elif backend == "onednn-prepacked":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return Linear(weight, bias, packed)
+    return Linear(weight, bias, packed, panels)
 
 
 def linear_reference(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -58,9 +97,13 @@ def linear_reference(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tens
 
 
 def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ w^T (+ b) (+ residual). Dispatch: oneDNN on a packed weight (the residual add
-    fused as a post-op: one pass over the output instead of two), else (w @ x^T)^T for
-    few CPU rows, else F.linear."""
+    """x @ w^T (+ b) (+ residual). Dispatch: the native GEMM on its panels (bias and residual
+    added as each output is stored), oneDNN on a packed weight (the residual add fused as a
+    post-op), else (w @ x^T)^T for few CPU rows, else F.linear."""
+    if lin.panels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        if residual is not None and residual.dtype != torch.float32:
+            return residual + gemm.gemm(x, lin.panels, lin.weight.shape[0], lin.bias)
+        return gemm.gemm(x, lin.panels, lin.weight.shape[0], lin.bias, residual)
     if lin.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
         if residual is not None and residual.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(),

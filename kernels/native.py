@@ -6,6 +6,10 @@ into `$EVALRUN_CACHE/kernels` (else `~/.cache/evalrun/kernels`) under a name tha
 the source, the flags and the CPU's flags, written atomically so parallel processes
 can share it. Without a compiler, or with `EVALRUN_NATIVE=0`, `load()` returns None and
 callers use their torch reference.
+
+csrc/pool.c (the thread pool all kernels share, pool.h) is its own library, loaded first and
+with RTLD_GLOBAL so the kernel libraries resolve `evalrun_pool_run` to one pool: workers of
+separate pools would spin against each other on few cores.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
 LIBS = ["-lm", "-lpthread"]
+POOL = "pool"                       # csrc/pool.c: the shared thread pool
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 
 
@@ -51,11 +56,15 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     if not enabled():
         return None
     if name not in _loaded:
-        _loaded[name] = _build_and_load(name)
+        if name != POOL and load(POOL) is None:
+            log.warning("native kernel %s disabled: the thread pool it runs on (csrc/pool.c) did not build", name)
+            _loaded[name] = None
+        else:
+            _loaded[name] = _build_and_load(name, ctypes.RTLD_GLOBAL if name == POOL else ctypes.RTLD_LOCAL)
     return _loaded[name]
 
 
-def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
+def _build_and_load(name: str, mode: int = ctypes.RTLD_LOCAL) -> Optional[ctypes.CDLL]:
     cc = compiler()
     if cc is None:
         log.info("no C compiler found: native kernel %s disabled, using the torch reference", name)
@@ -65,8 +74,9 @@ def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
     tmp: Optional[str] = None
     try:
         src = CSRC / f"{name}.c"
-        headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))     # included by the sources
-        key = hashlib.sha256(src.read_bytes() + headers + " ".join([cc, *flags, *LIBS]).encode()
+        # every file of csrc/: headers are included, and decode_step.c includes other kernels' sources
+        others = b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()) if f.suffix in (".c", ".h") and f != src)
+        key = hashlib.sha256(src.read_bytes() + others + " ".join([cc, *flags, *LIBS]).encode()
                              + (cpu or f"portable {os.uname().machine}").encode())
         out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
         if not out.exists():
@@ -78,7 +88,7 @@ def _build_and_load(name: str) -> Optional[ctypes.CDLL]:
             os.chmod(tmp, 0o755 & ~_umask())        # mkstemp makes 0600: let other users load it
             os.replace(tmp, out)
             tmp = None
-        return ctypes.CDLL(str(out))
+        return ctypes.CDLL(str(out), mode=mode)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.warning("building native kernel %s failed, using the torch reference: %s", name, detail)

@@ -111,32 +111,40 @@ def test_linear_dispatch_matches_reference(rows, with_bias):
     w = torch.randn(96, 80, generator=gen)
     b = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
+    from kernels import gemm
     lin = make_linear(w, b)
-    assert (lin.packed is not None) == torch.backends.mkldnn.is_available()   # torch's own build fact
+    if gemm.available():                                       # AVX2 + FMA and a C compiler here
+        assert lin.panels is not None and lin.packed is None
+    else:
+        assert (lin.packed is not None) == torch.backends.mkldnn.is_available()   # torch's own build fact
     ref = linear_reference(x.double(), make_linear(w.double(), None if b is None else b.double(), pack=False))
     torch.testing.assert_close(linear(x, lin).double(), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(linear(x[:, :], make_linear(w, b, pack=False)).double(), ref, rtol=1e-5, atol=1e-4)
     bf = make_linear(w.bfloat16(), None if b is None else b.bfloat16())
-    assert bf.packed is None                                  # only float32 is prepacked
+    assert bf.packed is None and bf.panels is None           # only float32 is prepacked
     torch.testing.assert_close(linear(x.bfloat16(), bf).double(), ref, rtol=3e-2, atol=0.3)
 
 
-def test_linear_without_onednn_falls_back_unpacked(monkeypatch):
-    """Where torch reports no oneDNN (mkldnn), nothing is prepacked and the result is the reference's."""
-    from kernels.linear import linear, linear_reference, make_linear
+@pytest.mark.parametrize("env", ["onednn", "torch"])
+def test_linear_without_onednn_falls_back_unpacked(monkeypatch, env):
+    """Asked for oneDNN (or torch) where torch reports no oneDNN (mkldnn): nothing is prepacked and
+    the result is the reference's."""
+    from kernels.linear import linear, linear_backend, linear_reference, make_linear
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setenv("EVALRUN_LINEAR", env)
+    assert linear_backend("cpu", torch.float32) == "torch"
     gen = torch.Generator().manual_seed(7)
     w, b, x, r = (torch.randn(*shape, generator=gen) for shape in ((96, 80), (96,), (33, 80), (33, 96)))
     lin = make_linear(w, b)
-    assert lin.packed is None
+    assert lin.packed is None and lin.panels is None
     ref = linear_reference(x.double(), make_linear(w.double(), b.double(), pack=False), residual=r.double())
     torch.testing.assert_close(linear(x, lin, residual=r).double(), ref, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 32, 65, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_with_residual_matches_reference(rows, with_bias):
-    """residual + x @ w^T (+ b): the oneDNN fused post-op, the small-row and F.linear paths."""
+def test_linear_with_residual_matches_reference(rows, with_bias, monkeypatch):
+    """residual + x @ w^T (+ b): the native GEMM, the oneDNN fused post-op, the small-row and F.linear paths."""
     from kernels.linear import linear, linear_reference, make_linear
     gen = torch.Generator().manual_seed(100 + rows)
     w = torch.randn(96, 80, generator=gen)
@@ -146,7 +154,12 @@ def test_linear_with_residual_matches_reference(rows, with_bias):
     r_before = r.clone()
     ref = linear_reference(x.double(), make_linear(w.double(), None if b is None else b.double(), pack=False),
                            residual=r.double())
-    for lin in (make_linear(w, b), make_linear(w, b, pack=False)):
+    lins = [make_linear(w, b), make_linear(w, b, pack=False)]
+    if torch.backends.mkldnn.is_available():
+        monkeypatch.setenv("EVALRUN_LINEAR", "onednn")
+        lins.append(make_linear(w, b))
+        assert lins[-1].packed is not None
+    for lin in lins:
         out = linear(x, lin, residual=r)
         assert out.shape == (rows, 96)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)

@@ -13,6 +13,7 @@ from kernels import native, paged_decode
 from kernels.attention import build_metadata, decode_torch, paged_attention_torch
 from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
 from kernels.cache_ops import write_kv_torch
+from kernels.cpu import cpu_flags
 from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
 from kernels.kv_quant import rotate
 
@@ -160,7 +161,8 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, fresh_native, caplo
     monkeypatch.setenv("CC", "false")              # a "compiler" that always fails
     with caplog.at_level(logging.WARNING, logger="kernels.native"):
         assert native.load("paged_decode") is None
-    assert "building native kernel paged_decode failed" in caplog.text
+    assert "building native kernel pool failed" in caplog.text          # the first library it needs
+    assert "native kernel paged_decode disabled" in caplog.text
     assert not list(fresh_native.glob("kernels/*"))   # no half-written library left behind
     q, layer, _ = _paged_case(6, 2, 16, 8, [3, 9], "fp32", seed=6)
     assert not paged_decode.supported(q, layer)
@@ -197,7 +199,9 @@ def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, tmp_path,
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     native_on = os.environ.get("EVALRUN_NATIVE") != "0"
     want_decode = "native-c" if native_on and _machine_has_cc() else "torch"
-    want_linear = "onednn-prepacked" if torch.backends.mkldnn.is_available() else "torch"
+    simd = {"avx2", "fma"} <= (cpu_flags() or frozenset())                  # what the native GEMM needs
+    want_linear = ("native-gemm" if native_on and _machine_has_cc() and simd
+                   else "onednn-prepacked" if torch.backends.mkldnn.is_available() else "torch")
 
     cpu32 = kernel_backends("cpu", "float32", "fp32")
     assert (cpu32["linear"], cpu32["decode_attention"]) == (want_linear, want_decode)
@@ -206,6 +210,9 @@ def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, tmp_path,
     for mode in KV_FORMATS:                                       # fp16 and the quantized pages too
         assert kernel_backends("cpu", "bfloat16", mode)["decode_attention"] == want_decode, mode
     assert kernel_backends("cpu", "bfloat16", "bf16")["linear"] == "torch"             # only fp32 is prepacked
+    monkeypatch.setenv("EVALRUN_LINEAR", "onednn")                                 # asked for by name
+    assert kernel_backends("cpu", "float32", "fp32")["linear"] == (
+        "onednn-prepacked" if torch.backends.mkldnn.is_available() else "torch")
     built = list(fresh_native.glob("kernels/paged_decode-*.so"))
     assert len(built) == (want_decode == "native-c")              # built exactly when it is used
 

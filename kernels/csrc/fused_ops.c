@@ -5,14 +5,15 @@
  *
  * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
  * never depends on how many rows share the call (batch invariance). Rows are split over up to
- * `nthreads` threads. The torch references are kernels/fused.py's rms_norm_reference and
+ * `nthreads` threads of the shared pool (pool.h). The torch references are kernels/fused.py's rms_norm_reference and
  * silu_mul_reference.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -77,7 +78,9 @@ static void silu_mul_row(const float *gu, float *out, int I) {
     }
 }
 
-static void *worker(void *p) {
+static void fused_worker(void *p, int tid, int nth) {
+    (void)tid;
+    (void)nth;
     const Task *t = (const Task *)p;
     for (int r0 = atomic_fetch_add(t->next, ROWS_PER_TASK); r0 < t->T; r0 = atomic_fetch_add(t->next, ROWS_PER_TASK)) {
         const int r1 = r0 + ROWS_PER_TASK < t->T ? r0 + ROWS_PER_TASK : t->T;
@@ -88,7 +91,6 @@ static void *worker(void *p) {
                 silu_mul_row(t->x + (int64_t)r * 2 * t->H, t->out + (int64_t)r * t->H, t->H);
         }
     }
-    return NULL;
 }
 
 static int run(int op, const float *x, const float *w, float *out, int T, int H, float eps, int nthreads) {
@@ -97,14 +99,7 @@ static int run(int op, const float *x, const float *w, float *out, int T, int H,
     if (nthreads > 64) nthreads = 64;
     atomic_int next = 0;
     Task task = {op, x, w, out, T, H, eps, &next};
-    pthread_t threads[64];
-    int started = 0;
-    for (int i = 1; i < nthreads; i++) {
-        if (pthread_create(&threads[i], NULL, worker, &task) != 0) break;
-        started = i;
-    }
-    worker(&task);
-    for (int i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+    evalrun_pool_run(fused_worker, &task, nthreads);
     return 0;
 }
 

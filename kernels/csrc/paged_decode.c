@@ -25,16 +25,18 @@
  * stays in L1: the context is never copied, so a 4-bit cache moves about a quarter
  * of the bytes of a 16-bit one through attention.
  *
- * Work is split over sequences, claimed one at a time by the threads; a sequence's query
+ * Work is split over sequences, claimed one at a time by the threads of the shared pool
+ * (pool.h); a sequence's query
  * heads are scored against every key (exact two-pass softmax), then V is summed with
  * those weights.
  * The torch reference is kernels.attention.decode_torch.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -332,15 +334,20 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         for (int d = 0; d < D; d++) o[(int64_t)hq * D + d] = acc[(int64_t)hq * D + d] * inv_sum[hq];
 }
 
-static void *worker(void *p) {
-    const Args *a = (const Args *)p;
+static void decode_worker(const Args *a) {
     float *scores = a->scratch + (int64_t)a->tid * SCRATCH(a->Hq, a->Hkv, a->D, a->lmax);
     float *acc = scores + (int64_t)a->Hq * a->lmax;
     float *rowbuf = acc + (int64_t)a->Hq * a->D;
     float *inv_sum = rowbuf + 64 * (int64_t)a->D;
     for (int b = atomic_fetch_add(a->next_task, 1); b < a->B; b = atomic_fetch_add(a->next_task, 1))
         sequence(a, b, scores, rowbuf, acc, inv_sum);
-    return NULL;
+}
+
+static void pool_task(void *ctx, int tid, int nth) {
+    (void)nth;
+    Args a = *(const Args *)ctx;
+    a.tid = tid;                    /* its own scratch */
+    decode_worker(&a);
 }
 
 /* Returns 0 on success, 1 on shapes it cannot take. The caller checks page ids, lengths
@@ -360,21 +367,11 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache,
         if (quantized && (G < 2 || G % 2 || D % G || !(i ? v_scale : k_scale))) return 1;
     }
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > 64) nthreads = 64;
-    Args args[64];
-    pthread_t threads[64];
+    if (nthreads > B) nthreads = B > 0 ? B : 1;           /* one sequence is one task */
     atomic_int next_task = 0;
-    for (int t = 0; t < nthreads; t++) {
-        args[t] = (Args){q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens, out,
-                         B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, t, wk, wv, w_kind, WW,
-                         win_slot, win_start, &next_task};
-    }
-    int started = 0;
-    for (int t = 1; t < nthreads; t++) {
-        if (pthread_create(&threads[t], NULL, worker, &args[t]) != 0) break;
-        started = t;
-    }
-    worker(&args[0]);               /* claims tasks until none are left, whoever started */
-    for (int t = 1; t <= started; t++) pthread_join(threads[t], NULL);
+    Args args = {q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens, out,
+                 B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, 0, wk, wv, w_kind, WW,
+                 win_slot, win_start, &next_task};
+    evalrun_pool_run(pool_task, &args, nthreads);         /* tasks are claimed until none are left */
     return 0;
 }

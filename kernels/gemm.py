@@ -1,0 +1,97 @@
+"""The native float32 GEMM for linears (kernels/csrc/gemm.c), through ctypes.
+
+    pack(weight [N, K])                      -> panels: W in 16-column panels, k-major, zero-padded
+    gemm(x [M, K], panels, N, bias, residual) -> residual + (x @ W^T + bias)   [M, N]
+
+Each output is one fused multiply-add chain over k in order, so a row's result is bitwise the
+same whatever the number of rows in the call (batch invariance), for every M, the prefill's
+thousands of rows and a decode step's one. The reference is F.linear (kernels/linear.py).
+Columns are split over a persistent pool of torch.get_num_threads() threads.
+
+Needs AVX2 and FMA (checked when the library is built for this CPU); `unavailable_reason()`
+says why the native path cannot be used, or None.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import native
+
+def _lib() -> Optional[ctypes.CDLL]:
+    """The GEMM library, or None (not built here, or built for a CPU without AVX2/FMA).
+    native.load caches the library; its argument types are set once per loaded library."""
+    lib = native.load("gemm")
+    if lib is not None and not getattr(lib, "_evalrun_typed", False):
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.gemm_supported.restype = i32
+        lib.gemm_supported.argtypes = []
+        lib.gemm_packed_floats.restype = i64
+        lib.gemm_packed_floats.argtypes = [i32, i32]
+        lib.gemm_pack_f32.restype = i32
+        lib.gemm_pack_f32.argtypes = [ptr, i32, i32, ptr]
+        lib.gemm_f32.restype = i32
+        lib.gemm_f32.argtypes = [ptr, i32, i32, i64, ptr, i32, ptr, ptr, ptr, i32]
+        lib._evalrun_supported = bool(lib.gemm_supported())
+        lib._evalrun_typed = True
+    return lib if lib is not None and lib._evalrun_supported else None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native GEMM cannot run here, or None when it can."""
+    if not native.enabled():
+        return "native kernels are disabled (EVALRUN_NATIVE=0)"
+    if _lib() is None:
+        if native.load("gemm") is None:
+            return "the native GEMM did not build (no C compiler, or a build error: see the log)"
+        return "this CPU lacks AVX2 and FMA, which the native GEMM needs"
+    return None
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 CPU -> its panels (a flat float32 tensor)."""
+    lib = _lib()
+    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"gemm.pack takes a float32 CPU [N, K] weight (and AVX2/FMA), got "
+                         f"{tuple(weight.shape)} {weight.dtype} {weight.device}")
+    n, k = weight.shape
+    w = weight.contiguous()
+    out = torch.empty(lib.gemm_packed_floats(n, k), dtype=torch.float32)
+    if lib.gemm_pack_f32(w.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"gemm.pack cannot take shape {tuple(weight.shape)}")
+    return out
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """residual + (x @ W^T + bias) for x [M, K] float32 CPU rows (columns contiguous), W packed by
+    `pack`; bias [N] and residual [M, N] float32 or None. Returns a new [M, N] tensor."""
+    lib = _lib()
+    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = x.shape
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or panels.numel() != lib.gemm_packed_floats(n, k)):
+        raise ValueError(f"gemm takes float32 CPU rows [M, K] matching the packed weight's K, got "
+                         f"{tuple(x.shape)} {x.dtype} {x.device} for N={n}")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    if residual is not None:
+        residual = residual.to(torch.float32).contiguous()
+        if residual.shape != (m, n):
+            raise ValueError(f"residual {tuple(residual.shape)} is not the output's {(m, n)}")
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    rc = lib.gemm_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n,
+                      None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+                      y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"gemm cannot take x {tuple(x.shape)} with N={n}")
+    return y

@@ -1,0 +1,124 @@
+"""The native float32 GEMM (kernels/csrc/gemm.c) against F.linear in float64, and its batch
+invariance: a row's output is bitwise the same whatever rows share the call, however many
+threads run it, and in a forked child."""
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import gemm
+
+pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"native GEMM: {gemm.unavailable_reason()}")
+
+
+def _case(n: int, k: int, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen),
+            torch.randn(m, n, generator=gen))
+
+
+def _reference(x, w, b=None, r=None):
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return y if r is None else r.double() + y
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 5), (16, 1), (17, 33), (576, 1536), (100, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13, 32, 65, 300])
+def test_gemm_matches_reference(n, k, m):
+    w, b, x, r = _case(n, k, m, seed=n * 1000 + k + m)
+    panels = gemm.pack(w)
+    tol = dict(rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(gemm.gemm(x, panels, n).double(), _reference(x, w), **tol)
+    torch.testing.assert_close(gemm.gemm(x, panels, n, b).double(), _reference(x, w, b), **tol)
+    r_before = r.clone()
+    torch.testing.assert_close(gemm.gemm(x, panels, n, b, r).double(), _reference(x, w, b, r), **tol)
+    assert torch.equal(r, r_before)                          # the residual is only read
+
+
+def test_gemm_takes_strided_rows():
+    """Rows with a stride wider than K (a column slice of a wider tensor) read in place."""
+    w, _, _, _ = _case(40, 24, 1, seed=1)
+    wide = torch.randn(9, 50)
+    x = wide[:, 10:34]
+    assert x.stride(0) == 50
+    torch.testing.assert_close(gemm.gemm(x, gemm.pack(w), 40).double(), _reference(x, w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(gemm.gemm(x, gemm.pack(w), 40), gemm.gemm(x.contiguous(), gemm.pack(w), 40))
+
+
+def test_gemm_is_batch_invariant():
+    """Each row alone, in a batch of 8, or of 64, at any position: bitwise the same output."""
+    n, k = 576, 1536
+    w, b, x, r = _case(n, k, 64, seed=3)
+    panels = gemm.pack(w)
+    full = gemm.gemm(x, panels, n, b, r)
+    for i in (0, 5, 17, 63):
+        assert torch.equal(gemm.gemm(x[i:i + 1], panels, n, b, r[i:i + 1]), full[i:i + 1])
+    for lo in (0, 3, 56):
+        assert torch.equal(gemm.gemm(x[lo:lo + 8], panels, n, b, r[lo:lo + 8]), full[lo:lo + 8])
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gemm.gemm(x[perm], panels, n, b, r[perm]), full[perm])
+
+
+def test_gemm_threads_do_not_change_results():
+    n, k = 3072, 576
+    w, _, x, _ = _case(n, k, 40, seed=4)
+    panels = gemm.pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.gemm(x, panels, n)
+        torch.set_num_threads(max(2, before))
+        many = gemm.gemm(x, panels, n)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def _child(q, x, panels, n):
+    q.put(gemm.gemm(x, panels, n).numpy().tobytes())      # plain bytes: no shared-memory handles
+
+
+def test_gemm_runs_in_a_forked_child():
+    """The pool's workers do not survive fork(); a child makes its own and gets the same result."""
+    n, k = 960, 576
+    w, _, x, _ = _case(n, k, 32, seed=5)
+    panels = gemm.pack(w)
+    parent = gemm.gemm(x, panels, n)                         # the parent's pool is running
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q, x, panels, n))
+    p.start()
+    child = q.get(timeout=60)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    assert child == parent.numpy().tobytes()
+
+
+def test_gemm_refuses_bad_input():
+    w, _, x, _ = _case(32, 16, 4, seed=6)
+    panels = gemm.pack(w)
+    with pytest.raises(ValueError, match="matching the packed weight"):
+        gemm.gemm(torch.randn(4, 17), panels, 32)
+    with pytest.raises(ValueError, match="float32"):
+        gemm.gemm(x.double(), panels, 32)
+    with pytest.raises(ValueError, match="residual"):
+        gemm.gemm(x, panels, 32, residual=torch.randn(4, 31))
+    with pytest.raises(ValueError, match="float32 CPU"):
+        gemm.pack(w.double())
+    assert gemm.gemm(x[:0], panels, 32).shape == (0, 32)
+
+
+def test_linear_backend_choice(monkeypatch):
+    """native by default here; EVALRUN_LINEAR picks another; EVALRUN_NATIVE=0 falls back with a reason."""
+    from kernels.linear import linear_backend
+    assert linear_backend("cpu", torch.float32) == "native-gemm"
+    assert linear_backend("cpu", torch.bfloat16) == "torch"
+    monkeypatch.setenv("EVALRUN_LINEAR", "torch")
+    assert linear_backend("cpu", torch.float32) == "torch"
+    monkeypatch.setenv("EVALRUN_LINEAR", "native")
+    monkeypatch.setenv("EVALRUN_NATIVE", "0")
+    assert gemm.unavailable_reason() == "native kernels are disabled (EVALRUN_NATIVE=0)"
+    assert linear_backend("cpu", torch.float32) in ("onednn-prepacked", "torch")
