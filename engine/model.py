@@ -7,6 +7,7 @@ norm and the LM head, in float32.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionMetadata
-from kernels.backend import TorchKernels, choose_kernels
+from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
+from kernels.decode_step import DecodeStep, LayerParts
 from kernels.linear import Linear, linear, linear_backend, make_linear
 
 from .config import ModelConfig
@@ -70,6 +72,7 @@ class Model:
         cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
+        self._steps: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeStep]]" = weakref.WeakKeyDictionary()
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu",
@@ -100,13 +103,36 @@ class Model:
         x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
         cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
         sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = self._attention(i, layer, x, cos, sin, batch, cache)          # x + attention
-            h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = linear(self.kernels.silu_mul(linear(h, layer.w_gate_up)), layer.w_down, residual=x)
+        step = self._decode_step(cache)
+        if step is not None and step.applies(batch.attn, x.shape[0]):
+            x = step.run(x, cos, sin, batch.slot_mapping, batch.attn)         # every layer, one native call
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self._attention(i, layer, x, cos, sin, batch, cache)      # x + attention
+                h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+                x = linear(self.kernels.silu_mul(linear(h, layer.w_gate_up)), layer.w_down, residual=x)
         h = x.index_select(0, batch.logits_indices).float()               # [N, H]
         h = self.kernels.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         return linear(h, self.lm_head)                                    # [N, V] float32
+
+    def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
+        """The native decode step for this cache (kernels/decode_step.py), or None where it does
+        not apply (another dtype, device, cache mode or kernel backend). Built once per cache and
+        rebuilt if the cache's pages were ever replaced."""
+        if cache in self._steps:
+            step = self._steps[cache]
+            if step is None or step.pages_match([cache.layer(i) for i in range(len(self.layers))]):
+                return step
+        step = None
+        if isinstance(self.kernels, NativeCpuKernels) and self.kernels.fused_available:
+            cfg = self.config
+            parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
+                     for i, ly in enumerate(self.layers)]
+            if DecodeStep.supports(parts, self.dtype, self.device):
+                step = DecodeStep(parts, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.intermediate_size, cfg.rms_norm_eps)
+        self._steps[cache] = step
+        return step
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:

@@ -88,6 +88,10 @@ class NativeCpuKernels(TorchKernels):
     def __init__(self) -> None:
         self._fused = fused.available()           # decided once, when the model loads (not per call)
 
+    @property
+    def fused_available(self) -> bool:
+        return self._fused
+
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
                       layer: LayerKV, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fused and not layer.fmt.quantized and fused.rope_write_supported(qkv, cos, layer.k):

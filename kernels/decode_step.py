@@ -1,0 +1,139 @@
+"""All decoder layers of a decode step in one native call (kernels/csrc/decode_step.c).
+
+A decode step (one new token per sequence) otherwise makes ~10 Python calls per layer into
+the native kernels: norm, QKV, rope + page write, attention, output projection, norm, gate/up,
+SiLU, down. `DecodeStep` makes one: the C code runs those same kernel functions in the same
+order, so its residual stream is bitwise what the per-op path computes (tests/test_decode_step.py
+checks that), without the per-layer Python between them.
+
+It applies on the CPU to float32 models whose linears are on the native GEMM, with float32
+pages (cache mode fp32: no codes, no recent-token window), to batches whose every row is a
+decode token. `EVALRUN_DECODE_STEP=0` turns it off (the per-op path then runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import native
+from .attention import AttentionMetadata
+from .kv_format import LayerKV
+from .linear import Linear
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("L", ctypes.c_int), ("H", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int),
+                ("D", ctypes.c_int), ("I", ctypes.c_int), ("S", ctypes.c_int), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("n_slots", ctypes.c_int64), ("layers", ctypes.POINTER(_Layer))]
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    lib = native.load("decode_step")
+    if lib is not None and not getattr(lib, "_evalrun_typed", False):
+        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.gemm_supported.restype = i32
+        lib.decode_step_work_floats.restype = i64
+        lib.decode_step_work_floats.argtypes = [ctypes.POINTER(_Model), i32, i32, i32]
+        lib.decode_step_f32.restype = i32
+        lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ptr, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32, i32]
+        lib._evalrun_supported = bool(lib.gemm_supported())
+        lib._evalrun_typed = True
+    return lib if lib is not None and lib._evalrun_supported else None
+
+
+def enabled() -> bool:
+    return os.environ.get("EVALRUN_DECODE_STEP", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class LayerParts:
+    """One decoder layer as the step needs it (engine/model.py's LayerWeights and the layer's pages)."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    wqkv: Linear
+    wo: Linear
+    w_gate_up: Linear
+    w_down: Linear
+    kv: LayerKV
+
+
+class DecodeStep:
+    """The native step for one model and one cache (built once: the pointers stay valid as long
+    as the weights and pages live, which this object keeps referenced)."""
+
+    def __init__(self, parts: Sequence[LayerParts], hidden: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float):
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("the native decode step is not available (see kernels.native)")
+        self._lib, self._parts = lib, list(parts)     # the parts keep the weights and pages alive
+        page_size = self._parts[0].kv.k.shape[1]
+        self._layers = (_Layer * len(self._parts))()
+        for i, p in enumerate(self._parts):
+            self._layers[i] = _Layer(p.input_norm.data_ptr(), p.post_norm.data_ptr(), p.wqkv.panels.data_ptr(),
+                                     None if p.wqkv.bias is None else p.wqkv.bias.data_ptr(),
+                                     p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
+                                     p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr())
+        self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
+                             eps, head_dim ** -0.5, self._parts[0].kv.k.shape[0] * page_size, self._layers)
+
+    @staticmethod
+    def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device) -> bool:
+        """Float32 CPU weights on the native GEMM (biases only on QKV, float32), float32 pages
+        without a window, contiguous; and the library built here."""
+        if not enabled() or dtype != torch.float32 or device.type != "cpu" or not parts or _lib() is None:
+            return False
+        for p in parts:
+            lins = (p.wqkv, p.wo, p.w_gate_up, p.w_down)
+            if any(lin.panels is None for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
+                return False
+            if p.wqkv.bias is not None and (p.wqkv.bias.dtype != torch.float32 or not p.wqkv.bias.is_contiguous()):
+                return False
+            if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (p.input_norm, p.post_norm)):
+                return False
+            kv = p.kv
+            if kv.fmt.quantized or kv.fmt.window or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32:
+                return False
+            if not (kv.k.is_contiguous() and kv.v.is_contiguous() and kv.k.device.type == "cpu"):
+                return False
+        return True
+
+    def pages_match(self, layers: Sequence[LayerKV]) -> bool:
+        """Whether these are still the pages the step was built on (same storage)."""
+        return len(layers) == len(self._parts) and all(
+            kv.k.data_ptr() == ly.k_pages and kv.v.data_ptr() == ly.v_pages for kv, ly in zip(layers, self._layers))
+
+    @staticmethod
+    def applies(meta: AttentionMetadata, rows: int) -> bool:
+        """Every row is the one new token of its sequence."""
+        return rows > 0 and meta.num_decode == rows and not meta.prefill and not meta.window
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, H] float32 (contiguous: updated in place) -> x after every layer."""
+        t = x.shape[0]
+        if not (x.is_contiguous() and x.dtype == torch.float32):
+            raise ValueError(f"the native decode step takes contiguous float32 rows, got {x.dtype}")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        table = meta.page_table.to(torch.int32).contiguous()
+        lens = meta.seq_lens_k.to(torch.int32).contiguous()
+        lmax = max(1, meta.max_seqlen_k)
+        threads = max(1, min(torch.get_num_threads(), 64))
+        work = torch.empty(self._lib.decode_step_work_floats(ctypes.byref(self._model), t, lmax, threads),
+                           dtype=torch.float32)
+        rc = self._lib.decode_step_f32(ctypes.byref(self._model), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                       slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), t,
+                                       work.data_ptr(), lmax, threads)
+        if rc != 0:
+            raise ValueError(f"the native decode step refused layer {rc - 1}'s input (T={t}, lmax={lmax})")
+        return x

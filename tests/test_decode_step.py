@@ -1,0 +1,86 @@
+"""The native decode step (kernels/decode_step.py: all layers of a pure-decode batch in one C call)
+against the per-op path it replaces: bitwise the same logits and tokens, and the cases where it
+must stay out of the way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Model
+from kernels import decode_step, gemm
+from kernels.decode_step import DecodeStep
+from tests.engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
+
+pytestmark = pytest.mark.skipif(not gemm.available() or decode_step._lib() is None,
+                                reason=f"native kernels unavailable: {gemm.unavailable_reason()}")
+
+
+@pytest.fixture
+def count_steps(monkeypatch):
+    calls = {"n": 0}
+    real = DecodeStep.run
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(DecodeStep, "run", counted)
+    return calls
+
+
+def _generate(model, prompts, n_new, **kwargs):
+    return run_jobs(make_generator(model, max_tokens=4096, **kwargs), greedy_jobs(prompts, n_new, return_logits=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, arch, count_steps, monkeypatch):
+    """Same prompts, a cache each: with the native step and with EVALRUN_DECODE_STEP=0 (per-op
+    path), every logit of every step is bitwise equal (qwen2: with QKV biases)."""
+    model = Model.load(tiny_model_factory(arch), dtype="float32")
+    prompts = random_prompts(9, [5, 17, 33, 48], model.config.vocab_size, seed=0)
+    native = _generate(model, prompts, 10)
+    assert count_steps["n"] > 0
+    monkeypatch.setenv("EVALRUN_DECODE_STEP", "0")
+    count_steps["n"] = 0
+    per_op = _generate(model, prompts, 10)
+    assert count_steps["n"] == 0
+    for i in range(len(prompts)):
+        assert native[i]["all_token_ids"] == per_op[i]["all_token_ids"]
+        assert torch.equal(native[i]["all_logits"], per_op[i]["all_logits"]), i
+
+
+def test_decode_step_keeps_batch_invariance(tiny_model_dir, count_steps):
+    """A job alone (pure decode steps: the native step) and among others of other lengths (steps
+    that mix prefill chunks and decode rows run per op): bitwise the same logits."""
+    model = Model.load(tiny_model_dir, dtype="float32")
+    prompts = random_prompts(8, [7, 30, 51, 12], model.config.vocab_size, seed=3)
+    together = _generate(model, prompts, 8, max_batch_size=8)
+    for i in (0, 5):
+        alone = _generate(model, [prompts[i]], 8)[0]
+        assert alone["all_token_ids"] == together[i]["all_token_ids"]
+        assert torch.equal(alone["all_logits"], together[i]["all_logits"]), i
+    assert count_steps["n"] > 0
+
+
+@pytest.mark.parametrize("mode", ["q8", "fp16"])
+def test_decode_step_stays_out_of_other_cache_modes(tiny_kv32_dir, mode, count_steps):
+    model = Model.load(tiny_kv32_dir, dtype="float32")
+    prompts = random_prompts(3, [9, 20], model.config.vocab_size, seed=4)
+    _generate(model, prompts, 4, mode=mode)
+    assert count_steps["n"] == 0
+
+
+def test_decode_step_stays_out_of_bfloat16(tiny_model_dir, count_steps):
+    model = Model.load(tiny_model_dir, dtype="bfloat16")
+    _generate(model, random_prompts(2, [9], model.config.vocab_size, seed=5), 3)
+    assert count_steps["n"] == 0
+
+
+def test_decode_step_follows_replaced_pages(tiny_model_dir):
+    """A step is tied to the pages it was built on: replaced storage makes the model build a new one."""
+    model = Model.load(tiny_model_dir, dtype="float32")
+    gen = make_generator(model, max_tokens=256)
+    step = model._decode_step(gen.cache)
+    assert step is not None and model._decode_step(gen.cache) is step
+    layer = gen.cache.layer(0)
+    layer.k = layer.k.clone()
+    assert model._decode_step(gen.cache) is not step
