@@ -96,7 +96,8 @@ static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *a
         c1 = _mm256_fmadd_ps(a_, b1, c1);                                                         \
     }
 
-static void tile_6x1(const Gemm *g, int i0, int R, int p0, const float *pf) {
+/* pf: pf_n lines of the next panel to prefetch (one per k), or NULL. */
+static void tile_6x1(const Gemm *g, int i0, int R, int p0, const float *pf, int pf_n) {
     const float *x0 = g->x + (int64_t)i0 * g->ldx, *x1 = x0, *x2 = x0, *x3 = x0, *x4 = x0, *x5 = x0;
     if (R > 1) x1 = x0 + g->ldx;
     if (R > 2) x2 = x1 + g->ldx; else x2 = x1;
@@ -109,7 +110,7 @@ static void tile_6x1(const Gemm *g, int i0, int R, int p0, const float *pf) {
     const int K = g->K;
     if (pf) {
         for (int k = 0; k < K; k++, bp += PW, pf += PW) {
-            _mm_prefetch((const char *)pf, _MM_HINT_T0);
+            if (k < pf_n) _mm_prefetch((const char *)pf, _MM_HINT_T0);
             const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
             FMA2(c00, c01, x0) FMA2(c10, c11, x1) FMA2(c20, c21, x2)
             FMA2(c30, c31, x3) FMA2(c40, c41, x4) FMA2(c50, c51, x5)
@@ -191,29 +192,34 @@ static void tail_span(const Gemm *g, int i, int R, int p, int n, int pe) {
         for (; n >= 4; n -= 4, p += 4) tile_1x4(g, i, p, p + 8 <= pe);
     else if (R == 2)
         for (; n >= 3; n -= 3, p += 3) tile_2x3(g, i, 2, p);
-    for (; n > 0; n--, p++) tile_6x1(g, i, R, p, 0);
+    for (; n > 0; n--, p++) tile_6x1(g, i, R, p, 0, 0);
 }
 
-/* Thread tid's share: a contiguous range of whole panel groups, all rows. Rows go in blocks
+/* Thread tid's share: a contiguous range of panels, all rows. Rows go in blocks
  * that stay in L2; within a block each panel is used by all 6-row tiles while it is hot, and the
- * first tile on a panel prefetches the next one (weights larger than the caches stream from
- * memory). */
+ * tiles on a panel prefetch the next one in slices (weights stream from memory in a decode step). */
 static void run_part(void *ctx, int tid, int nth) {
     const Gemm *g = (const Gemm *)ctx;
-    const int groups = (g->np + GROUP - 1) / GROUP;
-    const int gb = (int)((int64_t)groups * tid / nth), ge = (int)((int64_t)groups * (tid + 1) / nth);
-    const int pb = gb * GROUP, pe = ge * GROUP < g->np ? ge * GROUP : g->np;
+    /* an even split of the panels (whole groups would leave 4 against 5 of 9) */
+    const int pb = (int)((int64_t)g->np * tid / nth), pe = (int)((int64_t)g->np * (tid + 1) / nth);
     const int64_t ps = (int64_t)g->K * PW;
     int mc = A_BLOCK_BYTES / (g->K * 4);
     mc = mc < 6 ? 6 : mc - mc % 6;
     for (int i0 = 0; i0 < g->M; i0 += mc) {
         const int i1 = i0 + mc < g->M ? i0 + mc : g->M;
         const int full = i0 + (i1 - i0) / 6 * 6;
+        const int tiles = (i1 - i0) / 6 > 0 ? (i1 - i0) / 6 : 1;
         for (int p = pb; p < pe; p += GROUP) {
             const int n = p + GROUP <= pe ? GROUP : pe - p;
-            for (int q = p; q < p + n; q++)
-                for (int i = i0; i < full; i += 6)
-                    tile_6x1(g, i, 6, q, i == i0 && q + 1 < pe ? g->packed + (q + 1) * ps : 0);
+            for (int q = p; q < p + n; q++) {
+                /* the next panel's K lines, prefetched in equal slices by this panel's tiles */
+                const float *next = q + 1 < pe ? g->packed + (q + 1) * ps : 0;
+                const int per = (g->K + tiles - 1) / tiles;
+                for (int i = i0, j = 0; i < full; i += 6, j++) {
+                    const int lo = j * per < g->K ? j * per : g->K, hi = lo + per < g->K ? lo + per : g->K;
+                    tile_6x1(g, i, 6, q, next && hi > lo ? next + (int64_t)lo * PW : 0, hi - lo);
+                }
+            }
             if (full < i1) tail_span(g, full, i1 - full, p, n, pe);
         }
     }
@@ -228,9 +234,8 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
     if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
     if (M == 0) return 0;
     Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW};
-    const int groups = (g.np + GROUP - 1) / GROUP;
     int nth = nthreads < 1 ? 1 : nthreads;
-    if (nth > groups) nth = groups;
+    if (nth > g.np) nth = g.np;
     /* below ~64k multiply-adds a second thread costs more than it saves */
     if ((int64_t)M * N * K < 65536) nth = 1;
     return evalrun_pool_run(run_part, &g, nth);
