@@ -205,7 +205,9 @@ def run_vllm_runner(python: Path, runner: str, model_dir: Path, dtype: str, payl
     all cores bound (VLLM_CPU_OMP_THREADS_BIND=0-N unless set); returns its output JSON. Its
     timing excludes the engine's start-up."""
     script = Path(__file__).resolve().parent / runner
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    import kernels                                                # what evalrun set for itself, not for the peer
+    env = {k: v for k, v in os.environ.items() if k not in kernels.SET_ENV}
+    env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,5 @@
 """The evalrun engine: model, tokenizer, paged KV cache, scheduler, sampler, generator."""
+import kernels  # noqa: F401  (first: it sets libgomp's spin before torch loads; kernels/__init__.py)
 from .cache import PagedCache
 from .config import ModelConfig
 from .generator import DynamicGenerator

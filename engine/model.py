@@ -111,9 +111,13 @@ class Model:
                 x = self._attention(i, layer, x, cos, sin, batch, cache)      # x + attention
                 h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
                 x = linear(self.kernels.silu_mul(linear(h, layer.w_gate_up)), layer.w_down, residual=x)
-        h = x.index_select(0, batch.logits_indices).float()               # [N, H]
-        h = self.kernels.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
-        return linear(h, self.lm_head)                                    # [N, V] float32
+        return self._head(x, batch.logits_indices)
+
+    def _head(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head at `rows` of x: float32 logits [N, V]."""
+        h = x.index_select(0, rows).float()                               # [N, H]
+        h = self.kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        return linear(h, self.lm_head)
 
     def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
         """The native decode step for this cache (kernels/decode_step.py), or None where it does

@@ -45,9 +45,25 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.decode_step_work_floats.argtypes = [ctypes.POINTER(_Model), i32, i32, i32]
         lib.decode_step_f32.restype = i32
         lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ptr, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32, i32]
+        lib.decode_step_profile.restype = None
+        lib.decode_step_profile.argtypes = [i32, ctypes.POINTER(ctypes.c_double)]
         lib._evalrun_supported = bool(lib.gemm_supported())
         lib._evalrun_typed = True
     return lib if lib is not None and lib._evalrun_supported else None
+
+
+STAGES = ("norms", "qkv", "rope_write", "attention", "o_proj", "gate_up", "silu_mul", "down")
+
+
+def profile(start: bool) -> dict[str, float]:
+    """Wall seconds per stage of every native decode step since the last `profile(True)`
+    (summed over layers); start=True zeroes the sums and turns timing on, False turns it off."""
+    lib = _lib()
+    if lib is None:
+        return {}
+    out = (ctypes.c_double * len(STAGES))()
+    lib.decode_step_profile(1 if start else 0, out)
+    return dict(zip(STAGES, out))
 
 
 def enabled() -> bool:

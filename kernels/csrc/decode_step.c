@@ -27,6 +27,9 @@
  * Returns 0, or the 1-based index of the layer whose kernel refused its input (x then holds
  * partial results; the caller raises).
  */
+#define _POSIX_C_SOURCE 199309L    /* clock_gettime under -std=c11 */
+#include <time.h>
+
 #include "gemm.c"
 #include "fused_ops.c"
 #include "paged_decode.c"
@@ -43,6 +46,27 @@ typedef struct {
     int64_t n_slots;                /* slots of each layer's pages: (P + 1) * S */
     const DecodeLayer *layers;
 } DecodeModel;
+
+/* Optional wall time per stage, summed over layers and steps (decode_step_profile): 0 norms,
+ * 1 QKV, 2 rope + page write, 3 attention, 4 output projection, 5 gate/up, 6 SiLU, 7 down. */
+#define STAGES 8
+static int profile_on;
+static double profile_s[STAGES];
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* on: 1 start (and zero the sums), 0 stop; out (may be NULL): the sums so far, STAGES doubles. */
+void decode_step_profile(int on, double *out) {
+    if (out)
+        for (int i = 0; i < STAGES; i++) out[i] = profile_s[i];
+    if (on)
+        for (int i = 0; i < STAGES; i++) profile_s[i] = 0.0;
+    profile_on = on;
+}
 
 /* Below this many elements an element-wise pass runs on one thread (kernels/fused.py). */
 #define STEP_PARALLEL_ELEMENTS (1 << 16)
@@ -69,20 +93,30 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     const int norm_threads = (int64_t)T * H < STEP_PARALLEL_ELEMENTS ? 1 : (nthreads < T ? nthreads : T);
     const int act_threads = (int64_t)T * I < STEP_PARALLEL_ELEMENTS ? 1 : (nthreads < T ? nthreads : T);
     const int attn_threads = (int64_t)T * lmax * Hq * D < (1 << 21) ? 1 : (nthreads < T ? nthreads : T);
+    const int prof = profile_on;
+    double t0 = prof ? now_s() : 0.0;
+#define STAGE(i, call)                                                                            \
+    if (call) return l + 1;                                                                       \
+    if (prof) {                                                                                   \
+        const double t1 = now_s();                                                                \
+        profile_s[i] += t1 - t0;                                                                  \
+        t0 = t1;                                                                                  \
+    }
     for (int l = 0; l < m->L; l++) {
         const DecodeLayer *ly = &m->layers[l];
-        if (rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads)
-            || gemm_f32(h, T, H, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads)
-            || rope_write_f32(qkv, Q, cos, sin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, q)
-            || paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, KIND_F32, KIND_F32, 0, page_table, max_pages,
-                            seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0, 0, 0)
-            || gemm_f32(o, T, Hq * D, Hq * D, ly->wo, H, 0, x, x, nthreads)
-            || rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads)
-            || gemm_f32(h, T, H, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads)
-            || silu_mul_f32(gu, act, T, I, act_threads)
-            || gemm_f32(act, T, I, I, ly->w_down, H, 0, x, x, nthreads))
-            return l + 1;
+        STAGE(0, rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads))
+        STAGE(1, gemm_f32(h, T, H, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
+        STAGE(2, rope_write_f32(qkv, Q, cos, sin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, q))
+        STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, KIND_F32, KIND_F32, 0, page_table, max_pages,
+                              seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
+                              0, 0))
+        STAGE(4, gemm_f32(o, T, Hq * D, Hq * D, ly->wo, H, 0, x, x, nthreads))
+        STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
+        STAGE(5, gemm_f32(h, T, H, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads))
+        STAGE(6, silu_mul_f32(gu, act, T, I, act_threads))
+        STAGE(7, gemm_f32(act, T, I, I, ly->w_down, H, 0, x, x, nthreads))
     }
+#undef STAGE
     return 0;
 #else
     (void)m; (void)x; (void)cos; (void)sin; (void)slots; (void)page_table; (void)max_pages; (void)seq_lens;

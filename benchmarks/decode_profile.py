@@ -1,0 +1,131 @@
+"""Where a decode step's time goes (issue 12, item 2): wall time per op class at R rows, and the
+linears' GFLOP/s against this machine's sgemm roof measured in the same run.
+
+R distinct 128-token windows of the HumanEval prompts are prefilled, then --steps pure decode
+steps are timed (after a few warm-up steps). Inside the native decode step
+(kernels/decode_step.py) the C code times each stage summed over the layers; the LM head,
+sampling and the rest of the step (metadata, embedding, Python) are timed around it here.
+Steps that do not take the native path (another cache mode or dtype, EVALRUN_DECODE_STEP=0)
+are reported as one "layers (per-op path)" figure.
+
+    python -m benchmarks.decode_profile [--rows 32] [--steps 40] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from benchmarks.bench_decode import curve_prompts
+from benchmarks.common import warm_up_ours
+from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work
+from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from engine import generator as generator_module
+from evalrun.demo import ensure_demo_model
+from kernels import decode_step
+
+LINEAR_STAGES = ("qkv", "o_proj", "gate_up", "down")
+
+
+class _Timer:
+    """Wall seconds spent inside one function, installed by monkey-patching a module attribute."""
+
+    def __init__(self, owner: Any, name: str):
+        self.owner, self.name, self.seconds = owner, name, 0.0
+        self.real = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return self.real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+        setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        setattr(self.owner, self.name, self.real)
+
+
+def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, warm: int = 4) -> dict[str, Any]:
+    prompts = curve_prompts(tokenizer, rows, 128)
+    cache = PagedCache(model, max_tokens=rows * 2 * 256, page_size=256, mode="fp32")
+    gen = DynamicGenerator(model, cache, tokenizer)
+    gen.enqueue([DynamicJob(ids, max_new_tokens=steps + warm + 4, identifier=i) for i, ids in enumerate(prompts)])
+    started: set[int] = set()
+    while True:                                        # until every prompt is prefilled and decoding
+        results = gen.iterate()
+        started.update(r["identifier"] for r in results)
+        if len(started) == rows and len(results) == rows:
+            break
+    for _ in range(warm):
+        gen.iterate()
+    head = _Timer(model, "_head")
+    sample = _Timer(generator_module, "_sample_rows")
+    decode_step.profile(True)
+    t = time.perf_counter()
+    for _ in range(steps):
+        gen.iterate()
+    wall = time.perf_counter() - t
+    stages = decode_step.profile(False)
+    head.restore()
+    sample.restore()
+    ms = {name: 1e3 * s / steps for name, s in stages.items()}
+    native = sum(ms.values()) > 0
+    ms["lm_head (+ final norm)"] = 1e3 * head.seconds / steps
+    ms["sampling"] = 1e3 * sample.seconds / steps
+    ms["other (metadata, embedding, Python)"] = 1e3 * wall / steps - sum(ms.values())
+    if not native:
+        ms = {"layers (per-op path)": ms.pop("other (metadata, embedding, Python)"), **ms}
+    return {"rows": rows, "steps": steps, "ms_per_step": 1e3 * wall / steps, "ms": ms, "native_step": native}
+
+
+def report(p: dict[str, Any], work: dict[str, float], roofs: dict[str, Any]) -> dict[str, Any]:
+    rows, ms = p["rows"], p["ms"]
+    print(f"\n{rows} rows: {p['ms_per_step']:.1f} ms per decode step ({p['steps']} steps"
+          f"{'' if p['native_step'] else ', per-op path'})")
+    for name, v in ms.items():
+        print(f"  {name:38s} {v:7.2f} ms  {v / p['ms_per_step']:5.1%}")
+    out = dict(p)
+    if p["native_step"]:
+        lin_ms = sum(ms[s] for s in LINEAR_STAGES)
+        body = rows * work["body_flops_per_token"] / (lin_ms / 1e3) / 1e9
+        head = rows * work["head_flops_per_token"] / (ms["lm_head (+ final norm)"] / 1e3) / 1e9
+        both = rows * (work["body_flops_per_token"] + work["head_flops_per_token"]) / (
+            (lin_ms + ms["lm_head (+ final norm)"]) / 1e3) / 1e9
+        roof = roofs["sgemm_gflops"]
+        print(f"  linears: layers {body:.1f} GFLOP/s ({body / roof:.0%} of the sgemm roof), LM head {head:.1f} "
+              f"({head / roof:.0%}), all {both:.1f} ({both / roof:.0%})")
+        out["linear_gflops"] = {"layers": body, "lm_head": head, "all": both, "roof": roof}
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="32", help="comma-separated row counts (default 32)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    model_dir = a.model or ensure_demo_model()
+    roofs = measure_roofs()
+    print(f"roofs at start: {format_roofs(roofs)}")
+    tokenizer = Tokenizer.load(model_dir)
+    model = Model.load(model_dir, dtype="float32")
+    warm_up_ours(model, tokenizer, "fp32", 256, "def f(x):")
+    points = [profile_steps(model, tokenizer, int(r), a.steps) for r in a.rows.split(",")]
+    end = measure_roofs()
+    print(f"roofs at end:   {format_roofs(end)}")
+    roofs = best_roofs(roofs, end)
+    work = model_work(model_dir)
+    result = {"roofs": roofs, "threads": torch.get_num_threads(), "points": [report(pt, work, roofs) for pt in points]}
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
