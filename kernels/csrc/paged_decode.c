@@ -194,16 +194,18 @@ static inline void dots(const float *q, const float *const *k, int n, int D, flo
 #if defined(__AVX2__) && defined(__FMA__)
     if (n == BLOCK && D % 8 == 0) {               /* 8 independent chains, one 8-way reduction */
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        /* the row pointers in registers (read from the array each iteration they cost a load each) */
+        const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
         for (int d = 0; d < D; d += 8) {
             const __m256 qv = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
-            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
-            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
-            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
-            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + d), a4);
+            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + d), a5);
+            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + d), a6);
+            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + d), a7);
         }
         const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
         const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -224,6 +226,32 @@ static inline void dots(const float *q, const float *const *k, int n, int D, flo
 static inline void axpys(float *acc, const float *w, const float *const *v, int n, int D) {
     int d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
+    for (; d0 + 64 <= D; d0 += 64) {              /* eight accumulators: eight independent chains */
+        __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d0 + 16), a3 = _mm256_loadu_ps(acc + d0 + 24);
+        __m256 a4 = _mm256_loadu_ps(acc + d0 + 32), a5 = _mm256_loadu_ps(acc + d0 + 40);
+        __m256 a6 = _mm256_loadu_ps(acc + d0 + 48), a7 = _mm256_loadu_ps(acc + d0 + 56);
+        for (int p = 0; p < n; p++) {
+            const __m256 wb = _mm256_set1_ps(w[p]);
+            const float *vp = v[p] + d0;
+            a0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp), a0);
+            a1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8), a1);
+            a2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 16), a2);
+            a3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 24), a3);
+            a4 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 32), a4);
+            a5 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 40), a5);
+            a6 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 48), a6);
+            a7 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 56), a7);
+        }
+        _mm256_storeu_ps(acc + d0, a0);
+        _mm256_storeu_ps(acc + d0 + 8, a1);
+        _mm256_storeu_ps(acc + d0 + 16, a2);
+        _mm256_storeu_ps(acc + d0 + 24, a3);
+        _mm256_storeu_ps(acc + d0 + 32, a4);
+        _mm256_storeu_ps(acc + d0 + 40, a5);
+        _mm256_storeu_ps(acc + d0 + 48, a6);
+        _mm256_storeu_ps(acc + d0 + 56, a7);
+    }
     for (; d0 + 32 <= D; d0 += 32) {              /* four accumulators held in registers */
         __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
         __m256 a2 = _mm256_loadu_ps(acc + d0 + 16), a3 = _mm256_loadu_ps(acc + d0 + 24);
