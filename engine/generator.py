@@ -179,7 +179,7 @@ def _sample_rows(jobs: list[DynamicJob], logits: torch.Tensor) -> list[SampleRes
     out: list[Optional[SampleResult]] = [None] * len(jobs)
     fast = [i for i, j in enumerate(jobs) if _plain_greedy(j)]
     if fast:
-        tokens = greedy_tokens(logits[fast]).tolist()
+        tokens = greedy_tokens(logits if len(fast) == len(jobs) else logits[fast]).tolist()
         for i, t in zip(fast, tokens):
             out[i] = SampleResult(token=t, prob=float("nan"), probs=None)
     for i, job in enumerate(jobs):

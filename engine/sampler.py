@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from kernels import fused
+
 
 @dataclass(frozen=True)
 class SamplerSettings:
@@ -84,8 +86,9 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
-    """Batched greedy fast path: [B, V] -> [B] int64 argmax (ties go to the lowest id)."""
-    return torch.argmax(logits, dim=-1)
+    """Batched greedy fast path: [B, V] -> [B] int64 argmax (ties go to the lowest id; torch.argmax's
+    contract, natively for float32 CPU rows: kernels/fused.py)."""
+    return fused.argmax_rows(logits)
 
 
 def apply_penalties(logits: Tensor, history: Tensor, s: SamplerSettings) -> Tensor:

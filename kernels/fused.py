@@ -57,6 +57,10 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
+
+
 def _lib() -> Optional[ctypes.CDLL]:
     lib = native.load("fused_ops")
     if lib is not None and not getattr(lib, "_evalrun_typed", False):
@@ -65,6 +69,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.rms_norm_f32.argtypes = [ptr, ptr, ptr, i32, i32, ctypes.c_float, i32]
         lib.silu_mul_f32.restype = i32
         lib.silu_mul_f32.argtypes = [ptr, ptr, i32, i32, i32]
+        lib.argmax_rows_f32.restype = i32
+        lib.argmax_rows_f32.argtypes = [ptr, i32, i32, ptr, i32]
         lib.rope_write_f32.restype = i32
         lib.rope_write_f32.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, ptr, ctypes.c_int64,
                                        ptr, ptr, ptr]
@@ -149,3 +155,18 @@ def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     if rc != 0:
         raise ValueError(f"slot mapping outside the cache's {n_slots} slots, or odd head dim {d}")
     return q
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for [T, V] rows: the first index on ties, a row's first NaN
+    if it has one. Float32 CPU rows go through the native pass (rows split over the threads;
+    torch's reduction runs ~1.9 ms on 32 x 49,152 logits here); anything else through torch."""
+    lib = _ready()
+    if lib is None or not supported(logits) or logits.shape[1] == 0:
+        return argmax_reference(logits)
+    x = logits.contiguous()
+    t, v = x.shape
+    out = torch.empty(t, dtype=torch.int64)
+    if lib.argmax_rows_f32(x.data_ptr(), t, v, out.data_ptr(), _threads(t * v, t)) != 0:
+        return argmax_reference(logits)
+    return out

@@ -94,3 +94,35 @@ def test_rope_write_refuses_slots_outside_the_cache():
     with pytest.raises(ValueError, match="outside the cache"):
         fused.rope_write_native(qkv, cos, sin, 4, 2, k_cache, k_cache.clone(), bad)
     assert torch.equal(k_cache.nan_to_num(), before.nan_to_num())                   # nothing written
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (32, 49152), (5, 7), (3, 1), (70, 1003)])
+def test_argmax_matches_torch(rows, vocab):
+    _need_native()
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
+    assert torch.equal(fused.argmax_rows(x), torch.argmax(x, dim=-1))
+
+
+def test_argmax_ties_infinities_and_nan_follow_torch():
+    """Ties go to the first index, +inf wins, an all -inf row gives 0, a NaN anywhere wins (the
+    first NaN): torch.argmax's contract, checked against torch itself."""
+    _need_native()
+    x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0))
+    x[0, [17, 400, 999]] = 50.0                              # ties inside and across 8-lane blocks
+    x[1, [3, 4]] = float("inf")
+    x[2] = float("-inf")
+    x[3, [12, 700]] = float("nan")
+    x[4, 999] = float("nan")                                 # in the last block only
+    x[5, 998] = 1e30                                         # the maximum in the scalar tail region
+    x[6, 0] = 1e30
+    x[7] = 0.0
+    assert torch.equal(fused.argmax_rows(x), torch.argmax(x, dim=-1))
+    assert fused.argmax_rows(x[:0]).shape == (0,)
+    assert torch.equal(fused.argmax_rows(x.double()), torch.argmax(x.double(), dim=-1))   # the torch path
+
+
+def test_argmax_is_batch_invariant():
+    _need_native()
+    x = torch.randn(64, 5000, generator=torch.Generator().manual_seed(1))
+    full = fused.argmax_rows(x)
+    assert all(int(fused.argmax_rows(x[i:i + 1])[0]) == int(full[i]) for i in (0, 9, 63))

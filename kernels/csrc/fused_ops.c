@@ -2,11 +2,12 @@
  *
  *   rms_norm(x [T, H], w [H]) -> out [T, H]      out = x / sqrt(mean(x^2) + eps) * w
  *   silu_mul(gu [T, 2I])      -> out [T, I]      out = silu(gu[:, :I]) * gu[:, I:]
+ *   argmax_rows(x [T, V])     -> out [T] int64   torch.argmax(x, dim=-1) (greedy sampling)
  *
  * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
  * never depends on how many rows share the call (batch invariance). Rows are split over up to
- * `nthreads` threads of the shared pool (pool.h). The torch references are kernels/fused.py's rms_norm_reference and
- * silu_mul_reference.
+ * `nthreads` threads of the shared pool (pool.h). The torch references are kernels/fused.py's
+ * rms_norm_reference, silu_mul_reference and argmax_reference.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -138,5 +139,68 @@ int rope_write_f32(const float *qkv, int64_t row_stride, const float *cos, const
         for (int h = 0; h < Hkv; h++) rope_head(row + (int64_t)(Hq + h) * D, c, s, kd + (int64_t)h * D, D);
         memcpy(vd, row + (int64_t)(Hq + Hkv) * D, sizeof(float) * (size_t)Hkv * D);
     }
+    return 0;
+}
+
+/* out[r] = the index of row r's largest value (x [T, V] float32 rows), with torch.argmax's
+ * contract: the first index on ties, and the first NaN's index when a row holds a NaN. Two
+ * passes per row: the maximum (and whether any NaN), then the first index holding it. */
+static int64_t argmax_row(const float *x, int V) {
+    int j = 0;
+    float m = -INFINITY;
+    int nan = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 mv = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mv = _mm256_max_ps(mv, v);
+    }
+    nan = _mm256_movemask_ps(un) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+#endif
+    for (; j < V; j++) {
+        if (x[j] != x[j]) nan = 1;
+        else if (x[j] > m) m = x[j];
+    }
+    if (nan) {
+        for (j = 0; j < V; j++)
+            if (x[j] != x[j]) return j;
+    }
+    j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 mb = _mm256_set1_ps(m);
+    for (; j + 8 <= V; j += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), mb, _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; j < V; j++)
+        if (x[j] == m) return j;
+    return 0;                       /* V == 0 is refused by the caller */
+}
+
+typedef struct {
+    const float *x;
+    int64_t *out;
+    int T, V;
+    atomic_int *next;
+} ArgmaxTask;
+
+static void argmax_worker(void *p, int tid, int nth) {
+    (void)tid;
+    (void)nth;
+    const ArgmaxTask *t = (const ArgmaxTask *)p;
+    for (int r = atomic_fetch_add(t->next, 1); r < t->T; r = atomic_fetch_add(t->next, 1))
+        t->out[r] = argmax_row(t->x + (int64_t)r * t->V, t->V);
+}
+
+int argmax_rows_f32(const float *x, int T, int V, int64_t *out, int nthreads) {
+    if (T < 0 || V < 1) return 1;
+    atomic_int next = 0;
+    ArgmaxTask task = {x, out, T, V, &next};
+    evalrun_pool_run(argmax_worker, &task, nthreads < 1 ? 1 : nthreads > T ? (T > 0 ? T : 1) : nthreads);
     return 0;
 }
