@@ -222,52 +222,28 @@ static inline void dots(const float *q, const float *const *k, int n, int D, flo
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* acc[d0 .. d0 + 8 NV) += sum over p of w[p] * v[p][...]: NV accumulators held in registers, one
+ * chain per 8 columns, positions in order. */
+static inline __attribute__((always_inline)) void axpy_span(float *acc, const float *w, const float *const *v,
+                                                             int n, int d0, const int NV) {
+    __m256 a[8];
+    _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
+    for (int p = 0; p < n; p++) {
+        const __m256 wb = _mm256_set1_ps(w[p]);
+        const float *vp = v[p] + d0;
+        _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) a[j] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8 * j), a[j]);
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < NV; j++) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
+}
+#endif
+
 /* acc[D] += sum over the n values of a block of w[p] * v[p]. */
 static inline void axpys(float *acc, const float *w, const float *const *v, int n, int D) {
     int d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    for (; d0 + 64 <= D; d0 += 64) {              /* eight accumulators: eight independent chains */
-        __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
-        __m256 a2 = _mm256_loadu_ps(acc + d0 + 16), a3 = _mm256_loadu_ps(acc + d0 + 24);
-        __m256 a4 = _mm256_loadu_ps(acc + d0 + 32), a5 = _mm256_loadu_ps(acc + d0 + 40);
-        __m256 a6 = _mm256_loadu_ps(acc + d0 + 48), a7 = _mm256_loadu_ps(acc + d0 + 56);
-        for (int p = 0; p < n; p++) {
-            const __m256 wb = _mm256_set1_ps(w[p]);
-            const float *vp = v[p] + d0;
-            a0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp), a0);
-            a1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8), a1);
-            a2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 16), a2);
-            a3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 24), a3);
-            a4 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 32), a4);
-            a5 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 40), a5);
-            a6 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 48), a6);
-            a7 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 56), a7);
-        }
-        _mm256_storeu_ps(acc + d0, a0);
-        _mm256_storeu_ps(acc + d0 + 8, a1);
-        _mm256_storeu_ps(acc + d0 + 16, a2);
-        _mm256_storeu_ps(acc + d0 + 24, a3);
-        _mm256_storeu_ps(acc + d0 + 32, a4);
-        _mm256_storeu_ps(acc + d0 + 40, a5);
-        _mm256_storeu_ps(acc + d0 + 48, a6);
-        _mm256_storeu_ps(acc + d0 + 56, a7);
-    }
-    for (; d0 + 32 <= D; d0 += 32) {              /* four accumulators held in registers */
-        __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
-        __m256 a2 = _mm256_loadu_ps(acc + d0 + 16), a3 = _mm256_loadu_ps(acc + d0 + 24);
-        for (int p = 0; p < n; p++) {
-            const __m256 wb = _mm256_set1_ps(w[p]);
-            const float *vp = v[p] + d0;
-            a0 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp), a0);
-            a1 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 8), a1);
-            a2 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 16), a2);
-            a3 = _mm256_fmadd_ps(wb, _mm256_loadu_ps(vp + 24), a3);
-        }
-        _mm256_storeu_ps(acc + d0, a0);
-        _mm256_storeu_ps(acc + d0 + 8, a1);
-        _mm256_storeu_ps(acc + d0 + 16, a2);
-        _mm256_storeu_ps(acc + d0 + 24, a3);
-    }
+    for (; d0 + 64 <= D; d0 += 64) axpy_span(acc, w, v, n, d0, 8);      /* eight independent chains */
+    for (; d0 + 32 <= D; d0 += 32) axpy_span(acc, w, v, n, d0, 4);
 #endif
     for (int p = 0; p < n; p++) {
         const float wp = w[p];
