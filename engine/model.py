@@ -132,7 +132,8 @@ class Model:
             cfg = self.config
             parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
                      for i, ly in enumerate(self.layers)]
-            if DecodeStep.supports(parts, self.dtype, self.device):
+            if DecodeStep.supports(parts, self.dtype, self.device, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, cfg.intermediate_size):
                 step = DecodeStep(parts, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   cfg.intermediate_size, cfg.rms_norm_eps)
         self._steps[cache] = step

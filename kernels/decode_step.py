@@ -91,7 +91,13 @@ class DecodeStep:
         lib = _lib()
         if lib is None:
             raise RuntimeError("the native decode step is not available (see kernels.native)")
-        self._lib, self._parts = lib, list(parts)     # the parts keep the weights and pages alive
+        self._lib, self._parts = lib, list(parts)
+        # the tensors themselves (not only their containers) stay referenced while the C code holds
+        # their addresses; pages_match compares the pages by address and shape
+        self._keep = [t for p in self._parts for t in (p.input_norm, p.post_norm, p.wqkv.panels, p.wqkv.bias,
+                                                       p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
+                                                       p.kv.k, p.kv.v) if t is not None]
+        self._pages = [(p.kv.k.data_ptr(), p.kv.v.data_ptr(), tuple(p.kv.k.shape)) for p in self._parts]
         page_size = self._parts[0].kv.k.shape[1]
         self._layers = (_Layer * len(self._parts))()
         for i, p in enumerate(self._parts):
@@ -103,21 +109,32 @@ class DecodeStep:
                              eps, head_dim ** -0.5, self._parts[0].kv.k.shape[0] * page_size, self._layers)
 
     @staticmethod
-    def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device) -> bool:
-        """Float32 CPU weights on the native GEMM (biases only on QKV, float32), float32 pages
-        without a window, contiguous; and the library built here."""
+    def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device, hidden: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int) -> bool:
+        """Float32 CPU weights on the native GEMM with the model's shapes (biases only on QKV),
+        float32 pages of one shape [P + 1, S, Hkv, D] without a window, contiguous; and the
+        library built here."""
         if not enabled() or dtype != torch.float32 or device.type != "cpu" or not parts or _lib() is None:
             return False
+        qkv = (num_heads + 2 * num_kv_heads) * head_dim
+        shapes = ((qkv, hidden), (hidden, num_heads * head_dim), (2 * intermediate, hidden), (hidden, intermediate))
+        pages = parts[0].kv.k.shape
         for p in parts:
             lins = (p.wqkv, p.wo, p.w_gate_up, p.w_down)
-            if any(lin.panels is None for lin in lins) or any(lin.bias is not None for lin in lins[1:]):
+            if any(lin.panels is None or tuple(lin.weight.shape) != shape for lin, shape in zip(lins, shapes)):
                 return False
-            if p.wqkv.bias is not None and (p.wqkv.bias.dtype != torch.float32 or not p.wqkv.bias.is_contiguous()):
+            if any(lin.bias is not None for lin in lins[1:]):
                 return False
-            if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (p.input_norm, p.post_norm)):
+            if p.wqkv.bias is not None and (p.wqkv.bias.dtype != torch.float32 or p.wqkv.bias.shape != (qkv,)
+                                            or not p.wqkv.bias.is_contiguous()):
+                return False
+            if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (hidden,)
+                       for t in (p.input_norm, p.post_norm)):
                 return False
             kv = p.kv
             if kv.fmt.quantized or kv.fmt.window or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32:
+                return False
+            if kv.k.shape != pages or kv.v.shape != pages or tuple(pages[2:]) != (num_kv_heads, head_dim):
                 return False
             if not (kv.k.is_contiguous() and kv.v.is_contiguous() and kv.k.device.type == "cpu"):
                 return False
@@ -125,8 +142,8 @@ class DecodeStep:
 
     def pages_match(self, layers: Sequence[LayerKV]) -> bool:
         """Whether these are still the pages the step was built on (same storage)."""
-        return len(layers) == len(self._parts) and all(
-            kv.k.data_ptr() == ly.k_pages and kv.v.data_ptr() == ly.v_pages for kv, ly in zip(layers, self._layers))
+        return len(layers) == len(self._pages) and all(
+            (kv.k.data_ptr(), kv.v.data_ptr(), tuple(kv.k.shape)) == kept for kv, kept in zip(layers, self._pages))
 
     @staticmethod
     def applies(meta: AttentionMetadata, rows: int) -> bool:

@@ -161,8 +161,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for [T, V] rows: the first index on ties, a row's first NaN
     if it has one. Float32 CPU rows go through the native pass (rows split over the threads;
     torch's reduction runs ~1.9 ms on 32 x 49,152 logits here); anything else through torch."""
-    lib = _ready()
-    if lib is None or not supported(logits) or logits.shape[1] == 0:
+    if not supported(logits) or logits.shape[1] == 0:
+        return argmax_reference(logits)
+    lib = _ready()                                # only float32 CPU rows load (and build) the library
+    if lib is None:
         return argmax_reference(logits)
     x = logits.contiguous()
     t, v = x.shape

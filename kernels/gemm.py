@@ -82,6 +82,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
                          f"{tuple(x.shape)} {x.dtype} {x.device} for N={n}")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (n,):
+            raise ValueError(f"bias {tuple(bias.shape)} is not the output's ({n},)")
     if residual is not None:
         residual = residual.to(torch.float32).contiguous()
         if residual.shape != (m, n):
@@ -89,7 +91,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    rc = lib.gemm_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), n,
+    ldx = x.stride(0) if m > 1 else k           # one row: torch may report any row stride for it
+    rc = lib.gemm_f32(x.data_ptr(), m, k, ldx, panels.data_ptr(), n,
                       None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                       y.data_ptr(), torch.get_num_threads())
     if rc != 0:

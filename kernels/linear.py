@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import gemm
+from . import gemm, native
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,11 @@ BACKENDS = ("native", "onednn", "torch")
 _logged: set[str] = set()
 
 
-def _note_once(msg: str) -> None:
+def _note_once(msg: str, quiet: bool = False) -> None:
+    """Log msg once per process; at info level when the user chose it (quiet)."""
     if msg not in _logged:
         _logged.add(msg)
-        log.warning(msg)
+        (log.info if quiet else log.warning)(msg)
 
 
 def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
@@ -73,7 +74,7 @@ def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
         reason = gemm.unavailable_reason()
         if reason is None:
             return "native-gemm"
-        _note_once(f"float32 linears: {reason}; using oneDNN or torch instead")
+        _note_once(f"float32 linears: {reason}; using oneDNN or torch instead", quiet=not native.enabled())
         choice = "onednn"
     if choice == "onednn" and onednn_available():
         return "onednn-prepacked"

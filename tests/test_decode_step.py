@@ -84,3 +84,19 @@ def test_decode_step_follows_replaced_pages(tiny_model_dir):
     layer = gen.cache.layer(0)
     layer.k = layer.k.clone()
     assert model._decode_step(gen.cache) is not step
+
+
+def test_decode_step_refuses_pages_of_another_shape(tiny_model_dir):
+    """Pages that do not hold the model's KV heads (or differ between layers) never reach the C code."""
+    from kernels.decode_step import LayerParts
+    model = Model.load(tiny_model_dir, dtype="float32")
+    cache = make_generator(model, max_tokens=256).cache
+    cfg = model.config
+    parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
+             for i, ly in enumerate(model.layers)]
+    dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+    assert DecodeStep.supports(parts, torch.float32, torch.device("cpu"), *dims)
+    kv = parts[-1].kv
+    kv.k = kv.k[:, :, :1].contiguous()                        # one KV head fewer than the model has
+    kv.v = kv.v[:, :, :1].contiguous()
+    assert not DecodeStep.supports(parts, torch.float32, torch.device("cpu"), *dims)

@@ -48,6 +48,16 @@ def test_gemm_takes_strided_rows():
     assert torch.equal(gemm.gemm(x, gemm.pack(w), 40), gemm.gemm(x.contiguous(), gemm.pack(w), 40))
 
 
+def test_gemm_takes_one_row_with_any_row_stride():
+    """A [1, K] view whose row stride torch reports as 1 (a transposed column) is one valid row."""
+    w, b, _, _ = _case(40, 24, 1, seed=2)
+    x = torch.randn(24, 1).t()
+    assert x.shape == (1, 24) and x.stride(0) < 24
+    torch.testing.assert_close(gemm.gemm(x, gemm.pack(w), 40, b).double(), _reference(x, w, b), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="bias"):
+        gemm.gemm(x, gemm.pack(w), 40, b[:39])
+
+
 def test_gemm_is_batch_invariant():
     """Each row alone, in a batch of 8, or of 64, at any position: bitwise the same output."""
     n, k = 576, 1536
