@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import native
+from . import fused, native, paged_decode
 from .attention import AttentionMetadata
 from .kv_format import LayerKV
 from .linear import Linear
@@ -30,26 +30,27 @@ class _Layer(ctypes.Structure):
                 ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages")]
 
 
+class _Threads(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("gemm", "norm", "act", "attn")]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [("L", ctypes.c_int), ("H", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int),
                 ("D", ctypes.c_int), ("I", ctypes.c_int), ("S", ctypes.c_int), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("n_slots", ctypes.c_int64), ("layers", ctypes.POINTER(_Layer))]
 
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {
+    "decode_step_work_floats": (_I64, [ctypes.POINTER(_Model), _I32, _I32, _I32]),
+    "decode_step_f32": (_I32, [ctypes.POINTER(_Model), _P, _P, _P, _P, _P, _I32, _P, _I32, _P, _I32,
+                               ctypes.POINTER(_Threads)]),
+    "decode_step_profile": (None, [_I32, ctypes.POINTER(ctypes.c_double)]),
+}
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = native.load("decode_step")
-    if lib is not None and not getattr(lib, "_evalrun_typed", False):
-        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.gemm_supported.restype = i32
-        lib.decode_step_work_floats.restype = i64
-        lib.decode_step_work_floats.argtypes = [ctypes.POINTER(_Model), i32, i32, i32]
-        lib.decode_step_f32.restype = i32
-        lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), ptr, ptr, ptr, ptr, ptr, i32, ptr, i32, ptr, i32, i32]
-        lib.decode_step_profile.restype = None
-        lib.decode_step_profile.argtypes = [i32, ctypes.POINTER(ctypes.c_double)]
-        lib._evalrun_supported = bool(lib.gemm_supported())
-        lib._evalrun_typed = True
-    return lib if lib is not None and lib._evalrun_supported else None
+    return native.load("decode_step", SIGNATURES, require="gemm_supported")
 
 
 STAGES = ("norms", "qkv", "rope_write", "attention", "o_proj", "gate_up", "silu_mul", "down")
@@ -161,12 +162,14 @@ class DecodeStep:
         table = meta.page_table.to(torch.int32).contiguous()
         lens = meta.seq_lens_k.to(torch.int32).contiguous()
         lmax = max(1, meta.max_seqlen_k)
-        threads = max(1, min(torch.get_num_threads(), 64))
-        work = torch.empty(self._lib.decode_step_work_floats(ctypes.byref(self._model), t, lmax, threads),
+        m = self._model
+        threads = _Threads(max(1, min(torch.get_num_threads(), 64)), fused.num_threads(t * m.H, t),
+                           fused.num_threads(t * m.I, t), paged_decode.num_threads(t, lmax, m.Hq, m.D))
+        work = torch.empty(self._lib.decode_step_work_floats(ctypes.byref(m), t, lmax, threads.attn),
                            dtype=torch.float32)
         rc = self._lib.decode_step_f32(ctypes.byref(self._model), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                        slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), t,
-                                       work.data_ptr(), lmax, threads)
+                                       work.data_ptr(), lmax, ctypes.byref(threads))
         if rc != 0:
             raise ValueError(f"the native decode step refused layer {rc - 1}'s input (T={t}, lmax={lmax})")
         return x

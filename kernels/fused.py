@@ -61,21 +61,17 @@ def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {
+    "rms_norm_f32": (_I32, [_P, _P, _P, _I32, _I32, ctypes.c_float, _I32]),
+    "silu_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
+    "argmax_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
+    "rope_write_f32": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _P]),
+}
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = native.load("fused_ops")
-    if lib is not None and not getattr(lib, "_evalrun_typed", False):
-        ptr, i32 = ctypes.c_void_p, ctypes.c_int
-        lib.rms_norm_f32.restype = i32
-        lib.rms_norm_f32.argtypes = [ptr, ptr, ptr, i32, i32, ctypes.c_float, i32]
-        lib.silu_mul_f32.restype = i32
-        lib.silu_mul_f32.argtypes = [ptr, ptr, i32, i32, i32]
-        lib.argmax_rows_f32.restype = i32
-        lib.argmax_rows_f32.argtypes = [ptr, i32, i32, ptr, i32]
-        lib.rope_write_f32.restype = i32
-        lib.rope_write_f32.argtypes = [ptr, ctypes.c_int64, ptr, ptr, i32, i32, i32, i32, ptr, ctypes.c_int64,
-                                       ptr, ptr, ptr]
-        lib._evalrun_typed = True
-    return lib
+    return native.load("fused_ops", SIGNATURES)
 
 
 _handle: Optional[ctypes.CDLL] = None
@@ -99,7 +95,8 @@ def supported(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
 
 
-def _threads(elements: int, rows: int) -> int:
+def num_threads(elements: int, rows: int) -> int:
+    """Threads for an element-wise pass over `rows` rows of `elements` values in all."""
     return 1 if elements < PARALLEL_ELEMENTS else max(1, min(torch.get_num_threads(), rows, 64))
 
 
@@ -111,7 +108,7 @@ def rms_norm_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
     x, w = x.contiguous(), w.contiguous()
     out = torch.empty_like(x)
     t, h = x.shape
-    if lib.rms_norm_f32(x.data_ptr(), w.data_ptr(), out.data_ptr(), t, h, eps, _threads(t * h, t)) != 0:
+    if lib.rms_norm_f32(x.data_ptr(), w.data_ptr(), out.data_ptr(), t, h, eps, num_threads(t * h, t)) != 0:
         raise ValueError(f"rms_norm_native cannot take shape {tuple(x.shape)}")
     return out
 
@@ -124,7 +121,7 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, i, dtype=torch.float32)
-    if lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i, _threads(t * i, t)) != 0:
+    if lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i, num_threads(t * i, t)) != 0:
         raise ValueError(f"silu_mul_native cannot take shape {tuple(gate_up.shape)}")
     return out
 
@@ -169,6 +166,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     x = logits.contiguous()
     t, v = x.shape
     out = torch.empty(t, dtype=torch.int64)
-    if lib.argmax_rows_f32(x.data_ptr(), t, v, out.data_ptr(), _threads(t * v, t)) != 0:
+    if lib.argmax_rows_f32(x.data_ptr(), t, v, out.data_ptr(), num_threads(t * v, t)) != 0:
         return argmax_reference(logits)
     return out

@@ -20,23 +20,17 @@ import torch
 
 from . import native
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {
+    "gemm_packed_floats": (_I64, [_I32, _I32]),
+    "gemm_pack_f32": (_I32, [_P, _I32, _I32, _P]),
+    "gemm_f32": (_I32, [_P, _I32, _I32, _I64, _P, _I32, _P, _P, _P, _I32]),
+}
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    """The GEMM library, or None (not built here, or built for a CPU without AVX2/FMA).
-    native.load caches the library; its argument types are set once per loaded library."""
-    lib = native.load("gemm")
-    if lib is not None and not getattr(lib, "_evalrun_typed", False):
-        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.gemm_supported.restype = i32
-        lib.gemm_supported.argtypes = []
-        lib.gemm_packed_floats.restype = i64
-        lib.gemm_packed_floats.argtypes = [i32, i32]
-        lib.gemm_pack_f32.restype = i32
-        lib.gemm_pack_f32.argtypes = [ptr, i32, i32, ptr]
-        lib.gemm_f32.restype = i32
-        lib.gemm_f32.argtypes = [ptr, i32, i32, i64, ptr, i32, ptr, ptr, ptr, i32]
-        lib._evalrun_supported = bool(lib.gemm_supported())
-        lib._evalrun_typed = True
-    return lib if lib is not None and lib._evalrun_supported else None
+    """The GEMM library, or None (not built here, or built for a CPU without AVX2/FMA)."""
+    return native.load("gemm", SIGNATURES, require="gemm_supported")
 
 
 def unavailable_reason() -> Optional[str]:

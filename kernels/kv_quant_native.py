@@ -17,18 +17,16 @@ from .kv_format import LayerKV
 from .kv_quant import rotate
 
 
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {
+    "rotate_groups": (_I32, [_P, _I64, _I32, ctypes.c_float]),
+    "quantize_write": (_I32, [_P, _I64, _I32, _P, _P, _P, _I32, _I32, _I32, ctypes.c_float]),
+    "quantize_supported": (_I32, []),
+}
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = native.load("kv_quant")
-    if lib is not None and not getattr(lib, "_evalrun_typed", False):
-        ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.rotate_groups.restype = i32
-        lib.rotate_groups.argtypes = [ptr, i64, i32, ctypes.c_float]
-        lib.quantize_write.restype = i32
-        lib.quantize_write.argtypes = [ptr, i64, i32, ptr, ptr, ptr, i32, i32, i32, ctypes.c_float]
-        lib.quantize_supported.restype = i32
-        lib.quantize_supported.argtypes = []
-        lib._evalrun_typed = True
-    return lib
+    return native.load("kv_quant", SIGNATURES)
 
 
 def available() -> bool:

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from kernels.cpu import cpu_flags_line
 
@@ -51,8 +51,15 @@ def compiler() -> Optional[str]:
     return None
 
 
-def load(name: str) -> Optional[ctypes.CDLL]:
-    """The compiled library for csrc/<name>.c, or None (disabled, no compiler, build error)."""
+Signature = tuple[Any, list[Any]]          # (restype, argtypes) of one exported C function
+
+
+def load(name: str, signatures: Optional[dict[str, Signature]] = None,
+         require: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """The compiled library for csrc/<name>.c, or None (disabled, no compiler, build error).
+    `signatures` are set on its functions once per loaded library; with `require`, the name of a
+    no-argument C function, the library counts only where that returns nonzero here (e.g. the
+    instructions it was built with), checked once."""
     if not enabled():
         return None
     if name not in _loaded:
@@ -61,7 +68,22 @@ def load(name: str) -> Optional[ctypes.CDLL]:
             _loaded[name] = None
         else:
             _loaded[name] = _build_and_load(name, ctypes.RTLD_GLOBAL if name == POOL else ctypes.RTLD_LOCAL)
-    return _loaded[name]
+    lib = _loaded[name]
+    if lib is None:
+        return None
+    declared = lib.__dict__.setdefault("_evalrun_declared", {})
+    for fn in (signatures or {}).keys() - declared.keys():
+        restype, argtypes = signatures[fn]
+        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
+        declared[fn] = True
+    if require is not None:
+        if require not in declared:
+            check = getattr(lib, require)
+            check.restype, check.argtypes = ctypes.c_int, []
+            declared[require] = bool(check())
+        if not declared[require]:
+            return None
+    return lib
 
 
 def _build_and_load(name: str, mode: int = ctypes.RTLD_LOCAL) -> Optional[ctypes.CDLL]:

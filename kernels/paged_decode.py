@@ -26,19 +26,24 @@ _FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CODE_KINDS = {8: 3, 4: 4}
 
 
+_P, _I32 = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "paged_decode": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _I32,     # q, k, v, scales, kinds, group
+                            _P, _I32, _P, _P,                         # table, width, lens, out
+                            _I32, _I32, _I32, _I32, _I32, ctypes.c_float,   # B, Hq, Hkv, D, S, scale
+                            _P, _I32, _I32,                           # scratch, lmax, threads
+                            _P, _P, _I32, _I32, _P, _P]),             # window store, kind, rows, slots, starts
+}
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = native.load("paged_decode")
-    if lib is not None and not getattr(lib, "_evalrun_typed", False):
-        ptr, i32 = ctypes.c_void_p, ctypes.c_int
-        lib.paged_decode.restype = i32
-        lib.paged_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32,       # q, k, v, scales, kinds, group
-                                     ptr, i32, ptr, ptr,                            # table, width, lens, out
-                                     i32, i32, i32, i32, i32, ctypes.c_float,       # B, Hq, Hkv, D, S, scale
-                                     ptr, i32, i32,                                 # scratch, lmax, threads
-                                     ptr, ptr, i32, i32, ptr, ptr]                  # window store, kind, rows,
-        #                                                                             slots, starts
-        lib._evalrun_typed = True
-    return lib
+    return native.load("paged_decode", SIGNATURES)
+
+
+def num_threads(b: int, lmax: int, hq: int, d: int) -> int:
+    """Threads for b sequences of up to lmax positions: a second thread pays for its hand-over
+    only with enough work (~2M multiply-adds per pass); one sequence is one task."""
+    return 1 if b * lmax * hq * d < 2 ** 21 else max(1, min(torch.get_num_threads(), b, 64))
 
 
 def available() -> bool:
@@ -130,8 +135,7 @@ def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: t
     table = page_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     lmax = max(1, int(lens.max()))
-    # a second thread pays for its start only with enough work (~2M multiply-adds per pass)
-    threads = 1 if b * lmax * hq * d < 2 ** 21 else max(1, min(torch.get_num_threads(), b, 64))
+    threads = num_threads(b, lmax, hq, d)
     per_thread = hq * lmax + hq * d + 64 * d + hq          # SCRATCH() in paged_decode.c
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(b, hq, d, dtype=torch.float32)

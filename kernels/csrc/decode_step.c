@@ -40,6 +40,12 @@ typedef struct {
     float *k_pages, *v_pages;
 } DecodeLayer;
 
+/* Threads per kind of op, chosen by the caller with the per-op path's own rules (kernels/fused.py,
+ * kernels/paged_decode.py): results never depend on them, only the time does. */
+typedef struct {
+    int gemm, norm, act, attn;
+} DecodeThreads;
+
 typedef struct {
     int L, H, Hq, Hkv, D, I, S;
     float eps, scale;
@@ -68,31 +74,27 @@ void decode_step_profile(int on, double *out) {
     profile_on = on;
 }
 
-/* Below this many elements an element-wise pass runs on one thread (kernels/fused.py). */
-#define STEP_PARALLEL_ELEMENTS (1 << 16)
-
 static int64_t attn_scratch_floats(const DecodeModel *m, int lmax) {
     return SCRATCH(m->Hq, m->Hkv, m->D, lmax);
 }
 
-int64_t decode_step_work_floats(const DecodeModel *m, int T, int lmax, int nthreads) {
+/* attn_threads: the threads the attention may use (each has its own scratch). */
+int64_t decode_step_work_floats(const DecodeModel *m, int T, int lmax, int attn_threads) {
     const int64_t qkv = (int64_t)(m->Hq + 2 * m->Hkv) * m->D;
     return (int64_t)T * (m->H + qkv + 2 * (int64_t)m->Hq * m->D + 3 * (int64_t)m->I)
-           + (int64_t)(nthreads < 1 ? 1 : nthreads) * attn_scratch_floats(m, lmax);
+           + (int64_t)(attn_threads < 1 ? 1 : attn_threads) * attn_scratch_floats(m, lmax);
 }
 
 int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const float *sin, const int64_t *slots,
                     const int32_t *page_table, int max_pages, const int32_t *seq_lens, int T, float *work,
-                    int lmax, int nthreads) {
+                    int lmax, const DecodeThreads *th) {
 #if GEMM_SIMD
     const int H = m->H, D = m->D, Hq = m->Hq, Hkv = m->Hkv, I = m->I;
     const int Q = (Hq + 2 * Hkv) * D;
-    if (T < 1 || nthreads < 1) return T == 0 ? 0 : 1;
+    if (T < 1) return T == 0 ? 0 : 1;
+    const int nthreads = th->gemm, norm_threads = th->norm, act_threads = th->act, attn_threads = th->attn;
     float *h = work, *qkv = h + (int64_t)T * H, *q = qkv + (int64_t)T * Q, *o = q + (int64_t)T * Hq * D;
     float *gu = o + (int64_t)T * Hq * D, *act = gu + (int64_t)T * 2 * I, *scratch = act + (int64_t)T * I;
-    const int norm_threads = (int64_t)T * H < STEP_PARALLEL_ELEMENTS ? 1 : (nthreads < T ? nthreads : T);
-    const int act_threads = (int64_t)T * I < STEP_PARALLEL_ELEMENTS ? 1 : (nthreads < T ? nthreads : T);
-    const int attn_threads = (int64_t)T * lmax * Hq * D < (1 << 21) ? 1 : (nthreads < T ? nthreads : T);
     const int prof = profile_on;
     double t0 = prof ? now_s() : 0.0;
 #define STAGE(i, call)                                                                            \
@@ -120,7 +122,7 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     return 0;
 #else
     (void)m; (void)x; (void)cos; (void)sin; (void)slots; (void)page_table; (void)max_pages; (void)seq_lens;
-    (void)T; (void)work; (void)lmax; (void)nthreads;
+    (void)T; (void)work; (void)lmax; (void)th;
     return 1;
 #endif
 }

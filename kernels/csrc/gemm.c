@@ -108,15 +108,9 @@ static void tile_6x1(const Gemm *g, int i0, int R, int p0, const float *pf, int 
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
            c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const int K = g->K;
-    if (pf) {
-        for (int k = 0; k < K; k++, bp += PW, pf += PW) {
-            if (k < pf_n) _mm_prefetch((const char *)pf, _MM_HINT_T0);
-            const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
-            FMA2(c00, c01, x0) FMA2(c10, c11, x1) FMA2(c20, c21, x2)
-            FMA2(c30, c31, x3) FMA2(c40, c41, x4) FMA2(c50, c51, x5)
-        }
-    } else
+    if (!pf) pf_n = 0;
     for (int k = 0; k < K; k++, bp += PW) {
+        if (k < pf_n) _mm_prefetch((const char *)(pf + (int64_t)k * PW), _MM_HINT_T0);
         const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
         FMA2(c00, c01, x0) FMA2(c10, c11, x1) FMA2(c20, c21, x2)
         FMA2(c30, c31, x3) FMA2(c40, c41, x4) FMA2(c50, c51, x5)
