@@ -4,7 +4,10 @@ from this repository, and start and describe the engine the same way."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import time
 
 ENV_KEYS = (
@@ -14,6 +17,23 @@ ENV_KEYS = (
     "HF_HUB_OFFLINE",
     "OMP_NUM_THREADS",
 )
+
+
+def base_parser(description):
+    """The flags both runners take: --model, --in, --out, --dtype, --prefix-caching, --max-model-len,
+    --enforce-eager, --seed."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--in", dest="inp", required=True, help="input prompts JSON")
+    p.add_argument("--out", required=True, help="output result JSON")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="enable vLLM automatic prefix caching (default: on)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="disable torch.compile in vLLM (faster start, maybe slower run)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
 
 
 def engine_kwargs(args, **extra):
@@ -47,3 +67,20 @@ def run_settings(kwargs):
     except Exception:  # pragma: no cover
         pass
     return settings
+
+
+
+def write_result(path, kwargs, prompts, load_seconds, warmup_seconds, seconds, what, **fields):
+    """The output JSON: vLLM's version, the three timings, prompt counts, `fields` and the run
+    settings; then one summary line on stderr ("... for `what`")."""
+    import vllm
+
+    result = {"vllm_version": getattr(vllm, "__version__", "unknown"), "load_seconds": load_seconds,
+              "warmup_seconds": warmup_seconds, "seconds": seconds,
+              "prompt_tokens": sum(len(p) for p in prompts), "num_prompts": len(prompts),
+              **fields, "settings": run_settings(kwargs)}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"vllm {result['vllm_version']}: load {load_seconds:.1f}s, warmup {warmup_seconds:.2f}s, "
+          f"generate {seconds:.2f}s for {what} ({result['prompt_tokens']} prompt tokens) -> {path}", file=sys.stderr)
+    return result

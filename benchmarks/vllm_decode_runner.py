@@ -45,19 +45,9 @@ import vllm_common  # noqa: E402  (this folder is sys.path[0] when run as a scri
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory")
-    p.add_argument("--in", dest="inp", required=True, help="input prompts JSON")
-    p.add_argument("--out", required=True, help="output result JSON")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="enable vLLM automatic prefix caching (default: on)")
+    p = vllm_common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--min-tokens", dest="min_tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="min_tokens=T (default: on; in vLLM 0.32 this also bans EOS, see the docstring)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="disable torch.compile in vLLM (faster start, maybe slower run)")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -107,7 +97,6 @@ def main(argv=None):
     prompts, new_tokens = load_input(args.inp)
     default_env()
 
-    import vllm
     from vllm.inputs import TokensPrompt
 
     engine_kwargs = vllm_common.engine_kwargs(args, generation_config="vllm")
@@ -134,29 +123,9 @@ def main(argv=None):
     if counts != [new_tokens]:
         print(f"warning: vLLM generated {counts} tokens per prompt, not all {new_tokens}", file=sys.stderr)
 
-    settings = vllm_common.run_settings(engine_kwargs)
-
-    result = {
-        "vllm_version": getattr(vllm, "__version__", "unknown"),
-        "load_seconds": load_seconds,
-        "warmup_seconds": warmup_seconds,
-        "seconds": seconds,
-        "token_ids": token_ids,
-        "finish_reasons": finish,
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "num_prompts": len(prompts),
-        "new_tokens": new_tokens,
-        "sampling": {k: v for k, v in sp_kwargs.items()},
-        "settings": settings,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(
-        f"vllm {result['vllm_version']}: load {load_seconds:.1f}s, warmup {warmup_seconds:.2f}s, "
-        f"generate {seconds:.2f}s for {len(prompts)} prompts x {new_tokens} new tokens "
-        f"({result['prompt_tokens']} prompt tokens) -> {args.out}",
-        file=sys.stderr,
-    )
+    vllm_common.write_result(args.out, engine_kwargs, prompts, load_seconds, warmup_seconds, seconds,
+                             f"{len(prompts)} prompts x {new_tokens} new tokens", token_ids=token_ids,
+                             finish_reasons=finish, new_tokens=new_tokens, sampling=dict(sp_kwargs))
     return 0
 
 

@@ -34,7 +34,6 @@ Recommended environment on a CPU host:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -44,31 +43,9 @@ import vllm_common  # noqa: E402  (this folder is sys.path[0] when run as a scri
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF model directory")
-    p.add_argument("--in", dest="inp", required=True, help="input prompts JSON")
-    p.add_argument("--out", required=True, help="output result JSON")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument(
-        "--prefix-caching",
-        dest="prefix_caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="enable vLLM automatic prefix caching (default: on)",
-    )
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument(
-        "--method",
-        choices=("token_ids", "full_vocab"),
-        default="token_ids",
-        help="how log-probs are obtained (see module docstring)",
-    )
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="disable torch.compile in vLLM (faster start, maybe slower run)",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    p = vllm_common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--method", choices=("token_ids", "full_vocab"), default="token_ids",
+                   help="how log-probs are obtained (see module docstring)")
     return p.parse_args(argv)
 
 
@@ -100,7 +77,6 @@ def main(argv=None):
     args = parse_args(argv)
     prompts, choice_ids = load_input(args.inp)
 
-    import vllm
     from vllm import SamplingParams
 
     try:
@@ -168,28 +144,9 @@ def main(argv=None):
         if not all(math.isfinite(x) for x in row):
             print(f"warning: non-finite log-prob in prompt {i}: {row}", file=sys.stderr)
 
-    settings = vllm_common.run_settings(engine_kwargs)
-
-    result = {
-        "vllm_version": getattr(vllm, "__version__", "unknown"),
-        "load_seconds": load_seconds,
-        "warmup_seconds": warmup_seconds,
-        "seconds": seconds,
-        "choice_logprobs": choice_logprobs,
-        "prompt_tokens": sum(len(p) for p in prompts),
-        "num_prompts": len(prompts),
-        "choice_ids": choice_ids,
-        "method": method,
-        "settings": settings,
-    }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(
-        f"vllm {result['vllm_version']}: load {load_seconds:.1f}s, warmup "
-        f"{warmup_seconds:.2f}s, generate {seconds:.2f}s for {len(prompts)} prompts "
-        f"({result['prompt_tokens']} tokens) -> {args.out}",
-        file=sys.stderr,
-    )
+    vllm_common.write_result(args.out, engine_kwargs, prompts, load_seconds, warmup_seconds, seconds,
+                             f"{len(prompts)} prompts", choice_logprobs=choice_logprobs, choice_ids=choice_ids,
+                             method=method)
     return 0
 
 
