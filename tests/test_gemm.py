@@ -58,17 +58,20 @@ def test_gemm_takes_one_row_with_any_row_stride():
         gemm.gemm(x, gemm.pack(w), 40, b[:39])
 
 
-def test_gemm_is_batch_invariant():
-    """Each row alone, in a batch of 8, or of 64, at any position: bitwise the same output."""
-    n, k = 576, 1536
-    w, b, x, r = _case(n, k, 64, seed=3)
+@pytest.mark.parametrize("n,k,m", [(576, 1536, 64), (960, 576, 64), (960, 576, 200)])
+def test_gemm_is_batch_invariant(n, k, m):
+    """Each row alone, in a batch of 3, 8 or 32, or of all m, at any position: bitwise the same
+    output. The calls take different paths (1-2 rows: wide tiles; one block of rows: k-blocked
+    tiles of 3-6 rows; several blocks: whole-k 6-row tiles), so this pins them to one chain."""
+    w, b, x, r = _case(n, k, m, seed=3)
     panels = gemm.pack(w)
     full = gemm.gemm(x, panels, n, b, r)
-    for i in (0, 5, 17, 63):
+    for i in (0, 5, 17, m - 1):
         assert torch.equal(gemm.gemm(x[i:i + 1], panels, n, b, r[i:i + 1]), full[i:i + 1])
-    for lo in (0, 3, 56):
-        assert torch.equal(gemm.gemm(x[lo:lo + 8], panels, n, b, r[lo:lo + 8]), full[lo:lo + 8])
-    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    for size in (2, 3, 8, 32):
+        for lo in (0, 3, m - size):
+            assert torch.equal(gemm.gemm(x[lo:lo + size], panels, n, b, r[lo:lo + size]), full[lo:lo + size])
+    perm = torch.randperm(m, generator=torch.Generator().manual_seed(0))
     assert torch.equal(gemm.gemm(x[perm], panels, n, b, r[perm]), full[perm])
 
 

@@ -14,9 +14,12 @@
  * the same whatever else is in the batch (batch invariance). The torch reference is F.linear
  * (kernels/linear.py: linear_reference).
  *
- * Rows are taken in tiles of up to 6 (6 rows x 16 columns: 12 accumulators); tiles of 1-3 rows
- * span several panels so a tile still has 8-12 independent chains. Columns (panels) are split
- * over the threads of the shared persistent pool (pool.h).
+ * Rows are taken in tiles of up to 6 (6 rows x 16 columns: 12 accumulators); a call of 1-2 rows
+ * uses tiles spanning several panels so a tile still has 8-12 independent chains. A call whose
+ * rows fit one block (a decode step) runs in k-blocks of at most KC, so the weights' slice and
+ * the rows' slices stay in L1 while every tile uses them; the partial sums are stored and
+ * reloaded exactly, so the chain is unchanged. Columns (panels) are split over the threads of the
+ * shared persistent pool (pool.h).
  *
  * Without AVX2 and FMA at compile time gemm_supported() returns 0 and nothing else may be called.
  */
@@ -34,6 +37,8 @@
 #define PW 16                       /* columns per panel */
 #define GROUP 4                     /* panels a tile pass covers */
 #define A_BLOCK_BYTES (192 * 1024)  /* rows of x kept hot while a panel group streams */
+#define MAX_BLOCK_ROWS 120          /* and at most this many (a multiple of 6) */
+#define MAX_TILES (MAX_BLOCK_ROWS / 6 + 1)
 
 int gemm_supported(void) { return GEMM_SIMD; }
 
@@ -86,38 +91,71 @@ static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *a
     }
 }
 
-/* The 6 x 16 tile (rows i0 .. i0+R-1, R <= 6, one panel) and the 2 x 48 tile (R <= 2, three
- * panels): 12 accumulators, written out by name (GCC keeps an array of 12 in memory). Rows past
- * R repeat the last row and are not stored. */
-#define FMA2(c0, c1, xp)                                                                          \
-    {                                                                                             \
-        const __m256 a_ = _mm256_broadcast_ss((xp) + k);                                          \
+/* The k-blocked tile: rows i0 .. i0 + R - 1 (R = 1..6, a compile-time constant after inlining)
+ * by one panel, over k in [k0, k0 + kn). 2 R accumulators written out by name (GCC keeps an array
+ * of them in memory). They start from 0 when `first`, else from carry [R][16], and are left in
+ * carry: a k-block's slice of the panel (KC x 64 bytes) and the tiles' rows stay in L1 while all
+ * the tiles of a block use it, and storing and reloading a float32 sum is exact, so each output is
+ * still one chain over k in order. The first pf_n steps also prefetch one line each of pf (the
+ * next slice of the weights). */
+#define KC 128
+#define ROW(r, c0, c1)                                                                            \
+    if (R > r) {                                                                                  \
+        const __m256 a_ = _mm256_broadcast_ss(x##r + k);                                          \
         c0 = _mm256_fmadd_ps(a_, b0, c0);                                                         \
         c1 = _mm256_fmadd_ps(a_, b1, c1);                                                         \
     }
+#define ROWS                                                                                      \
+    const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);                          \
+    ROW(0, c00, c01) ROW(1, c10, c11) ROW(2, c20, c21) ROW(3, c30, c31) ROW(4, c40, c41) ROW(5, c50, c51)
 
-/* pf: pf_n lines of the next panel to prefetch (one per k), or NULL. */
-static void tile_6x1(const Gemm *g, int i0, int R, int p0, const float *pf, int pf_n) {
-    const float *x0 = g->x + (int64_t)i0 * g->ldx, *x1 = x0, *x2 = x0, *x3 = x0, *x4 = x0, *x5 = x0;
-    if (R > 1) x1 = x0 + g->ldx;
-    if (R > 2) x2 = x1 + g->ldx; else x2 = x1;
-    if (R > 3) x3 = x2 + g->ldx; else x3 = x2;
-    if (R > 4) x4 = x3 + g->ldx; else x4 = x3;
-    if (R > 5) x5 = x4 + g->ldx; else x5 = x4;
-    const float *bp = g->packed + (int64_t)p0 * g->K * PW;
+static inline __attribute__((always_inline)) void ktile(const int R, const float *x0, int64_t ldx, const float *bp,
+                                                       int k0, int kn, float *carry, int first, const float *pf,
+                                                       int pf_n) {
+    const float *x1 = R > 1 ? x0 + ldx : x0, *x2 = R > 2 ? x1 + ldx : x1, *x3 = R > 3 ? x2 + ldx : x2,
+                *x4 = R > 4 ? x3 + ldx : x3, *x5 = R > 5 ? x4 + ldx : x4;
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
            c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const int K = g->K;
-    if (!pf) pf_n = 0;
-    for (int k = 0; k < K; k++, bp += PW) {
-        if (k < pf_n) _mm_prefetch((const char *)(pf + (int64_t)k * PW), _MM_HINT_T0);
-        const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
-        FMA2(c00, c01, x0) FMA2(c10, c11, x1) FMA2(c20, c21, x2)
-        FMA2(c30, c31, x3) FMA2(c40, c41, x4) FMA2(c50, c51, x5)
+    float *cr = carry;
+    if (!first) {
+        c00 = _mm256_loadu_ps(cr); c01 = _mm256_loadu_ps(cr + 8);
+        if (R > 1) { c10 = _mm256_loadu_ps(cr + 16); c11 = _mm256_loadu_ps(cr + 24); }
+        if (R > 2) { c20 = _mm256_loadu_ps(cr + 32); c21 = _mm256_loadu_ps(cr + 40); }
+        if (R > 3) { c30 = _mm256_loadu_ps(cr + 48); c31 = _mm256_loadu_ps(cr + 56); }
+        if (R > 4) { c40 = _mm256_loadu_ps(cr + 64); c41 = _mm256_loadu_ps(cr + 72); }
+        if (R > 5) { c50 = _mm256_loadu_ps(cr + 80); c51 = _mm256_loadu_ps(cr + 88); }
     }
+    const int ke = k0 + kn, kp = k0 + (pf_n < kn ? pf_n : kn);
+    int k = k0;
+    for (; k < kp; k++, bp += PW, pf += PW) {
+        _mm_prefetch((const char *)pf, _MM_HINT_T0);
+        ROWS
+    }
+    _Pragma("GCC unroll 4") for (; k < ke; k++, bp += PW) { ROWS }
+    _mm256_storeu_ps(cr, c00); _mm256_storeu_ps(cr + 8, c01);
+    if (R > 1) { _mm256_storeu_ps(cr + 16, c10); _mm256_storeu_ps(cr + 24, c11); }
+    if (R > 2) { _mm256_storeu_ps(cr + 32, c20); _mm256_storeu_ps(cr + 40, c21); }
+    if (R > 3) { _mm256_storeu_ps(cr + 48, c30); _mm256_storeu_ps(cr + 56, c31); }
+    if (R > 4) { _mm256_storeu_ps(cr + 64, c40); _mm256_storeu_ps(cr + 72, c41); }
+    if (R > 5) { _mm256_storeu_ps(cr + 80, c50); _mm256_storeu_ps(cr + 88, c51); }
+}
+#undef ROWS
+#undef ROW
+
+typedef void (*TileFn)(const float *, int64_t, const float *, int, int, float *, int, const float *, int);
+#define KTILE(n)                                                                                  \
+    static void ktile##n(const float *x0, int64_t ldx, const float *bp, int k0, int kn, float *carry, int first, \
+                         const float *pf, int pf_n) {                                             \
+        ktile(n, x0, ldx, bp, k0, kn, carry, first, pf, pf_n);                                    \
+    }
+KTILE(1) KTILE(2) KTILE(3) KTILE(4) KTILE(5) KTILE(6)
+static const TileFn TILES[7] = {0, ktile1, ktile2, ktile3, ktile4, ktile5, ktile6};
+
+/* Rows i0 .. i0 + R - 1 (R <= 6) by panel p0 over all of k, stored. */
+static void tile_rows(const Gemm *g, int i0, int R, int p0) {
     float out[6 * PW];
-    const __m256 all[12] = {c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51};
-    for (int v = 0; v < 12; v++) _mm256_storeu_ps(out + v * 8, all[v]);
+    const float *panel = g->packed + (int64_t)p0 * g->K * PW;
+    TILES[R](g->x + (int64_t)i0 * g->ldx, g->ldx, panel + 0, 0, g->K, out, 1, 0, 0);
     epilogue(g, i0, R, p0, 1, out);
 }
 
@@ -186,35 +224,61 @@ static void tail_span(const Gemm *g, int i, int R, int p, int n, int pe) {
         for (; n >= 4; n -= 4, p += 4) tile_1x4(g, i, p, p + 8 <= pe);
     else if (R == 2)
         for (; n >= 3; n -= 3, p += 3) tile_2x3(g, i, 2, p);
-    for (; n > 0; n--, p++) tile_6x1(g, i, R, p, 0, 0);
+    for (; n > 0; n--, p++) tile_rows(g, i, R, p);
 }
 
-/* Thread tid's share: a contiguous range of panels, all rows. Rows go in blocks
- * that stay in L2; within a block each panel is used by all 6-row tiles while it is hot, and the
- * tiles on a panel prefetch the next one in slices (weights stream from memory in a decode step). */
+/* Thread tid's share: a contiguous range of panels, all rows. One or two rows (a memory-bound
+ * decode step) go through the wide 1 x 64 and 2 x 48 tiles. More rows go in blocks that stay in
+ * L2, split evenly into tiles of at most 6 rows (32 rows: 6,6,5,5,5,5, not 5 x 6 and a 2-row
+ * tail); for each panel and each k-block every tile of the block runs on the block's slice while
+ * it is in L1, and the tiles prefetch the next slice of the weights between them (in a decode
+ * step the weights stream from memory). */
 static void run_part(void *ctx, int tid, int nth) {
     const Gemm *g = (const Gemm *)ctx;
     /* an even split of the panels (whole groups would leave 4 against 5 of 9) */
     const int pb = (int)((int64_t)g->np * tid / nth), pe = (int)((int64_t)g->np * (tid + 1) / nth);
-    const int64_t ps = (int64_t)g->K * PW;
-    int mc = A_BLOCK_BYTES / (g->K * 4);
-    mc = mc < 6 ? 6 : mc - mc % 6;
-    for (int i0 = 0; i0 < g->M; i0 += mc) {
-        const int i1 = i0 + mc < g->M ? i0 + mc : g->M;
-        const int full = i0 + (i1 - i0) / 6 * 6;
-        const int tiles = (i1 - i0) / 6 > 0 ? (i1 - i0) / 6 : 1;
-        for (int p = pb; p < pe; p += GROUP) {
-            const int n = p + GROUP <= pe ? GROUP : pe - p;
-            for (int q = p; q < p + n; q++) {
-                /* the next panel's K lines, prefetched in equal slices by this panel's tiles */
-                const float *next = q + 1 < pe ? g->packed + (q + 1) * ps : 0;
-                const int per = (g->K + tiles - 1) / tiles;
-                for (int i = i0, j = 0; i < full; i += 6, j++) {
-                    const int lo = j * per < g->K ? j * per : g->K, hi = lo + per < g->K ? lo + per : g->K;
-                    tile_6x1(g, i, 6, q, next && hi > lo ? next + (int64_t)lo * PW : 0, hi - lo);
+    if (pb >= pe) return;
+    const int K = g->K;
+    if (g->M <= 2) {
+        for (int p = pb; p < pe; p += GROUP) tail_span(g, 0, g->M, p, p + GROUP <= pe ? GROUP : pe - p, pe);
+        return;
+    }
+    const int64_t ps = (int64_t)K * PW;
+    int mc = A_BLOCK_BYTES / (K * 4);
+    mc = mc < 6 ? 6 : mc > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS : mc - mc % 6;
+    /* k-blocks when the rows are one block (a decode step: weights stream from memory once);
+     * many blocks (prefill) run each tile over all of k, which saves the carry traffic */
+    const int one_block = g->M < mc + 6, nkb = one_block ? (K + KC - 1) / KC : 1, kc = (K + nkb - 1) / nkb;
+    float carry[MAX_TILES * 6 * PW];
+    for (int i0 = 0, i1; i0 < g->M; i0 = i1) {
+        /* blocks of mc rows (6-row tiles); the last block takes the rest (and a rest under 6 rows
+         * joins the block before it), split into even tiles of up to 6 (32 rows: 6 6 5 5 5 5, where
+         * 6-row tiles would leave a 2-row tile with too few chains) */
+        i1 = i0 + mc < g->M ? i0 + mc : g->M;
+        if (g->M - i1 < 6) i1 = g->M;
+        const int n = i1 - i0, t = (n + 5) / 6;
+        for (int q = pb; q < pe; q++) {
+            const float *panel = g->packed + q * ps;
+            for (int k0 = 0; k0 < K; k0 += kc) {
+                const int kn = k0 + kc <= K ? kc : K - k0;
+                /* the slice after this one (the rest of this panel, else the next panel's first),
+                 * prefetched in equal parts by the tiles */
+                const int rest = k0 + kn < K ? K - k0 - kn : (q + 1 < pe ? K : 0);
+                const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
+                const float *next = panel + (int64_t)(k0 + kn) * PW;
+                for (int j = 0, i = i0; j < t; j++) {
+                    const int R = n / t + (j < n % t);
+                    const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
+                    TILES[R](g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, k0, kn,
+                             carry + j * 6 * PW, k0 == 0, next + (int64_t)lo * PW, hi - lo);
+                    i += R;
                 }
             }
-            if (full < i1) tail_span(g, full, i1 - full, p, n, pe);
+            for (int j = 0, i = i0; j < t; j++) {
+                const int R = n / t + (j < n % t);
+                epilogue(g, i, R, q, 1, carry + j * 6 * PW);
+                i += R;
+            }
         }
     }
 }
