@@ -189,8 +189,10 @@ static inline int load_rows(const void *cache, const uint16_t *scales, int kind,
 #define BLOCK 8                    /* keys scored together */
 #define VBLOCK 64                  /* values summed per pass over the accumulators */
 
-/* out[p] = q . k[p] for the n <= BLOCK keys of a block. */
-static inline void dots(const float *q, const float *const *k, int n, int D, float *out) {
+/* out[p] = q . k[p] for the n <= BLOCK keys of a block. Not inlined (nor axpys): inlined into
+ * sequence() the loops ran short of registers and reloaded their row pointers from the stack
+ * (1.1-1.4x slower, interleaved A/B). */
+static __attribute__((noinline)) void dots(const float *q, const float *const *k, int n, int D, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (n == BLOCK && D % 8 == 0) {               /* 8 independent chains, one 8-way reduction */
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -239,7 +241,7 @@ static inline __attribute__((always_inline)) void axpy_span(float *acc, const fl
 #endif
 
 /* acc[D] += sum over the n values of a block of w[p] * v[p]. */
-static inline void axpys(float *acc, const float *w, const float *const *v, int n, int D) {
+static __attribute__((noinline)) void axpys(float *acc, const float *w, const float *const *v, int n, int D) {
     int d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d0 + 64 <= D; d0 += 64) axpy_span(acc, w, v, n, d0, 8);      /* eight independent chains */
@@ -288,6 +290,19 @@ static float softmax_weights(float *sh, int L, float scale) {
     return sum;
 }
 
+#define PFD 16                     /* keys prefetched this many positions ahead */
+/* Prefetch every line of the float32 slots of positions [p0, p0 + n) (clipped to the paged part):
+ * a sequence's slots are contiguous within a page, but the hardware prefetchers lose the stream at
+ * each 4 KB boundary. Interleaved A/B (32 rows x 200 positions, 30 layers, 2 threads): 1.2-1.3x
+ * over none. */
+static inline void prefetch_slots(const void *cache, const int32_t *pages, int S, int W, int p0, int n, int L, int end) {
+    if (end < L) L = end;
+    for (int pos = p0; pos < p0 + n && pos < L; pos++) {
+        const char *s = (const char *)((const float *)cache + ((int64_t)pages[pos / S] * S + pos % S) * W);
+        for (int b = 0; b < W * 4; b += 64) __builtin_prefetch(s + b, 0, 3);
+    }
+}
+
 /* One sequence: every query head scored against every key, an exact two-pass softmax
  * (vectorized exp), then the values summed with those weights. Keys and values are read
  * once, block by block in page order with all KV heads of a slot together (sequential
@@ -311,6 +326,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     /* Positions outer, KV heads inner: a block of slots is read whole, in memory order (a slot
      * holds every head), instead of one head's slice per pass over the context. */
     for (int p0 = 0; p0 < L; p0 += BLOCK) {
+        if (a->k_kind == KIND_F32) prefetch_slots(a->k, pages, S, W, p0 + PFD, BLOCK, L, wk.start);
         for (int h = 0; h < Hkv; h++) {
             const int n = load_rows(a->k, a->k_scale, a->k_kind, a->G, pages, S, p0, L - p0 < BLOCK ? L - p0 : BLOCK,
                                     h, D, W, rowbuf, rows, &wk);
@@ -324,8 +340,13 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, L, a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
+    if (a->v_kind == KIND_F32) prefetch_slots(a->v, pages, S, W, 0, VBLOCK, L, wv.start);
     for (int p0 = 0; p0 < L; p0 += VBLOCK) {
         for (int h = 0; h < Hkv; h++) {
+            if (a->v_kind == KIND_F32) {          /* the next block, a share before each head's pass */
+                const int share = (VBLOCK + Hkv - 1) / Hkv;
+                prefetch_slots(a->v, pages, S, W, p0 + VBLOCK + h * share, share, L, wv.start);
+            }
             const int n = load_rows(a->v, a->v_scale, a->v_kind, a->G, pages, S, p0, L - p0 < VBLOCK ? L - p0 : VBLOCK,
                                     h, D, W, rowbuf, rows, &wv);
             for (int g = 0; g < Gq; g++) {
