@@ -8,12 +8,19 @@ sampling and the rest of the step (metadata, embedding, Python) are timed around
 Steps that do not take the native path (another cache mode or dtype, EVALRUN_DECODE_STEP=0)
 are reported as one "layers (per-op path)" figure.
 
-    python -m benchmarks.decode_profile [--rows 32] [--steps 40] [--out FILE]
+This machine's clock moves by 20-30% within a minute, so a roof measured at the start and the
+end alone does not say how close the steps came to it. The steps are therefore timed in
+--blocks blocks, each right after its own sgemm roof measurement, and the linears' share of
+the roof is also reported per block (median and range): each block's figure against the roof
+measured next to it.
+
+    python -m benchmarks.decode_profile [--rows 32] [--steps 40] [--blocks 8] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -22,7 +29,7 @@ import torch
 
 from benchmarks.bench_decode import curve_prompts
 from benchmarks.common import warm_up_ours
-from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work
+from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work, sgemm_gflops
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 from engine import generator as generator_module
 from evalrun.demo import ensure_demo_model
@@ -50,7 +57,10 @@ class _Timer:
         setattr(self.owner, self.name, self.real)
 
 
-def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, warm: int = 4) -> dict[str, Any]:
+def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, warm: int = 4,
+                  blocks: int = 1, roof_n: int = 2048) -> dict[str, Any]:
+    """Per-stage ms per step over `steps` steps, timed in `blocks` blocks; with blocks > 1 each
+    block is preceded by an sgemm roof measurement (roof_n^3) and its figures are kept apart."""
     prompts = curve_prompts(tokenizer, rows, 128)
     cache = PagedCache(model, max_tokens=rows * 2 * 256, page_size=256, mode="fp32")
     gen = DynamicGenerator(model, cache, tokenizer)
@@ -65,14 +75,30 @@ def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, war
         gen.iterate()
     head = _Timer(model, "_head")
     sample = _Timer(generator_module, "_sample_rows")
-    decode_step.profile(True)
-    t = time.perf_counter()
-    for _ in range(steps):
-        gen.iterate()
-    wall = time.perf_counter() - t
-    stages = decode_step.profile(False)
-    head.restore()
-    sample.restore()
+    stages: dict[str, float] = {}
+    wall, per_block = 0.0, []
+    bounds = [steps * b // blocks for b in range(blocks + 1)]
+    try:
+        for b in range(blocks):
+            n = bounds[b + 1] - bounds[b]
+            if n == 0:
+                continue
+            roof = sgemm_gflops(roof_n, repeat=2) if blocks > 1 else None
+            head_s = head.seconds
+            decode_step.profile(True)
+            t = time.perf_counter()
+            for _ in range(n):
+                gen.iterate()
+            wall += time.perf_counter() - t
+            block = decode_step.profile(False)
+            for name, v in block.items():
+                stages[name] = stages.get(name, 0.0) + v
+            per_block.append({"steps": n, "roof_gflops": roof,
+                              "linear_s": sum(block.get(name, 0.0) for name in LINEAR_STAGES),
+                              "head_s": head.seconds - head_s})
+    finally:
+        head.restore()
+        sample.restore()
     ms = {name: 1e3 * s / steps for name, s in stages.items()}
     native = sum(ms.values()) > 0
     ms["lm_head (+ final norm)"] = 1e3 * head.seconds / steps
@@ -80,7 +106,8 @@ def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, war
     ms["other (metadata, embedding, Python)"] = 1e3 * wall / steps - sum(ms.values())
     if not native:
         ms = {"layers (per-op path)": ms.pop("other (metadata, embedding, Python)"), **ms}
-    return {"rows": rows, "steps": steps, "ms_per_step": 1e3 * wall / steps, "ms": ms, "native_step": native}
+    return {"rows": rows, "steps": steps, "ms_per_step": 1e3 * wall / steps, "ms": ms, "native_step": native,
+            "blocks": per_block if blocks > 1 else []}
 
 
 def report(p: dict[str, Any], work: dict[str, float], roofs: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +127,27 @@ def report(p: dict[str, Any], work: dict[str, float], roofs: dict[str, Any]) -> 
         print(f"  linears: layers {body:.1f} GFLOP/s ({body / roof:.0%} of the sgemm roof), LM head {head:.1f} "
               f"({head / roof:.0%}), all {both:.1f} ({both / roof:.0%})")
         out["linear_gflops"] = {"layers": body, "lm_head": head, "all": both, "roof": roof}
+        shares = block_shares(p["blocks"], rows, work)
+        if shares:
+            out["linear_share_by_block"] = shares
+            for key, label in (("layers", "layers"), ("all", "all linears")):
+                v = sorted(x[key] for x in shares)
+                print(f"  {label} against the roof measured next to each block ({len(v)} blocks): median "
+                      f"{statistics.median(v):.0%}, range {v[0]:.0%}-{v[-1]:.0%}")
+    return out
+
+
+def block_shares(blocks: list[dict[str, Any]], rows: int, work: dict[str, float]) -> list[dict[str, float]]:
+    """Each block's linears GFLOP/s over the sgemm roof measured just before it."""
+    out = []
+    for b in blocks:
+        if not b["roof_gflops"] or b["linear_s"] <= 0 or b["head_s"] <= 0:
+            continue
+        body = b["steps"] * rows * work["body_flops_per_token"] / b["linear_s"] / 1e9
+        both = b["steps"] * rows * (work["body_flops_per_token"] + work["head_flops_per_token"]) / (
+            b["linear_s"] + b["head_s"]) / 1e9
+        out.append({"roof_gflops": b["roof_gflops"], "layers_gflops": body, "all_gflops": both,
+                    "layers": body / b["roof_gflops"], "all": both / b["roof_gflops"]})
     return out
 
 
@@ -107,6 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="32", help="comma-separated row counts (default 32)")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--blocks", type=int, default=8,
+                   help="time the steps in this many blocks, each after its own sgemm roof (default 8; 1: none)")
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -116,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     tokenizer = Tokenizer.load(model_dir)
     model = Model.load(model_dir, dtype="float32")
     warm_up_ours(model, tokenizer, "fp32", 256, "def f(x):")
-    points = [profile_steps(model, tokenizer, int(r), a.steps) for r in a.rows.split(",")]
+    points = [profile_steps(model, tokenizer, int(r), a.steps, blocks=max(1, a.blocks)) for r in a.rows.split(",")]
     end = measure_roofs()
     print(f"roofs at end:   {format_roofs(end)}")
     roofs = best_roofs(roofs, end)
