@@ -87,6 +87,7 @@ class JobState:
     time_enqueued: float = 0.0
     time_started: float = 0.0
     time_first_token: float = 0.0
+    nonfinite_logits: int = 0             # sampled positions whose logits held a NaN or an Inf
 
 
 def _as_id_list(ids: Sequence[int] | torch.Tensor) -> list[int]:

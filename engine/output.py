@@ -82,4 +82,5 @@ class JobOutput:
             time_enqueued=st.time_started - st.time_enqueued,
             time_prefill=st.time_first_token - st.time_started,
             time_generate=now - st.time_first_token,
+            nonfinite_logits=st.nonfinite_logits,
         )

@@ -29,6 +29,8 @@ class GeneratorResult(_ResultBase, total=False):
     time_enqueued: float          # seconds waiting in the queue
     time_prefill: float           # seconds from start to the first sampled token
     time_generate: float          # seconds from the first to the last sampled token
+    nonfinite_logits: int         # sampled positions whose logits held a NaN or Inf (the sampler got
+                                  # them made finite: the tokens of such a job are not to be trusted)
 
 
 class GeneratorStats(TypedDict):

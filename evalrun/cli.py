@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 from evalrun import __version__
 
 EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 1            # the run stopped on a fault found while running (errors.RunFailed)
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -173,6 +174,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flush-seconds", type=float, default=30.0,
                    help="... or every T seconds, whichever comes first (default: 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: show it)")
+    p.add_argument("--on-nonfinite", choices=("error", "flag"), default="error",
+                   help="when the model's logits at a scored position hold NaN or Inf: 'error' stops the run "
+                        "naming the first such question or sample (exit 1, the rows before it kept); 'flag' "
+                        "records it as wrong with nonfinite_logits=true and goes on (default: error)")
 
 
 def _exit_on_sigterm() -> None:
@@ -193,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from evalrun.errors import BadInput, as_bad_input
+    from evalrun.errors import BadInput, RunFailed, as_bad_input
     _exit_on_sigterm()
     if hasattr(args, "cache_modes"):
         args.cache_mode = args.cache_modes[0]          # one run's mode; a sweep sets each in turn
@@ -216,6 +221,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "suite":
             from evalrun.suite import run_suite
             return run_suite(args)
+    except RunFailed as exc:
+        print(f"evalrun {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
         bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
         if bad is None:

@@ -9,6 +9,15 @@ class BadInput(Exception):
     """A problem with what the user passed; the message says what and where."""
 
 
+class RunFailed(Exception):
+    """The run stopped on a fault of the model or the data found while running (exit code 1, one
+    clear line); the rows stored before it are kept and a resume goes on from them."""
+
+
+class NonFiniteLogits(RunFailed):
+    """A scored position's logits held a NaN or an Inf (--on-nonfinite error)."""
+
+
 def as_bad_input(exc: BaseException) -> Optional[BadInput]:
     from engine.config import ConfigError
     from engine.weights import WeightsError

@@ -58,7 +58,8 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
     model_dir = resolve_model_dir(args.model)
     fp = fingerprint_model_dir(model_dir)
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "samples",
-                  args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
+                  args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress,
+                  on_nonfinite=args.on_nonfinite)
 
     def report(rows: list[dict], per: list[dict], overall: dict, tp: Optional[dict], out: Path) -> None:
         sandbox = run.manifest.get("sandbox") or (run.stored or {}).get("sandbox") or {}   # this session's, or stored

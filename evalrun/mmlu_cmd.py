@@ -36,7 +36,8 @@ def prepare_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
     model_dir = resolve_model_dir(args.model)
     fp = fingerprint_model_dir(model_dir)
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "questions",
-                  args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress)
+                  args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress,
+                  on_nonfinite=args.on_nonfinite)
     return PreparedRun("mmlu", run, pending(run), cfg, model_dir, _print_summary)
 
 

@@ -45,6 +45,7 @@ class TaskRun:
     flush_seconds: float = 30.0
     progress: bool = True
     progress_desc: Optional[str] = None      # the progress bar's label (a sweep's "[2/4 q8]")
+    on_nonfinite: str = "error"              # a document scored from NaN/Inf logits: stop, or flag its row
 
 
 @dataclass
@@ -152,7 +153,11 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         row_base = {"run_id": store.manifest["run_id"], "task": run.task.name, "cache_mode": cfg.cache_mode}
         t0 = time.time()
         totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress,
-                          desc=run.progress_desc)
+                          desc=run.progress_desc, on_nonfinite=run.on_nonfinite)
+        if totals.nonfinite:
+            print(f"warning: {totals.nonfinite} {run.unit} were scored from logits holding NaN or Inf (a broken "
+                  "model or dtype); they count as wrong and are flagged in the nonfinite_logits column",
+                  file=sys.stderr)
         _warn_cache_skips(run, plans, fits < model.max_seq_len, fits)
         rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
         per, overall = run.task.summarize(rows)

@@ -12,7 +12,10 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 
 from engine import DynamicGenerator, DynamicJob
-from tasks.base import Answer, DocPlan, Request, Task
+from evalrun.errors import NonFiniteLogits
+from tasks.base import NONFINITE_COLUMN, Answer, DocPlan, Request, Task
+
+ON_NONFINITE = ("error", "flag")
 
 
 @dataclass
@@ -24,6 +27,7 @@ class RunTotals:
     wall_time: float = 0.0
     metric: str = "correct"             # the row's boolean column counted in `correct`
     rows: list[dict[str, Any]] = field(default_factory=list)
+    nonfinite: int = 0                  # rows flagged for NaN/Inf logits (--on-nonfinite flag)
 
 
 @dataclass
@@ -63,8 +67,14 @@ class _Emitter:
 
 def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
              emit: Callable[[dict[str, Any]], None], row_base: dict[str, Any],
-             progress: bool = True, desc: Optional[str] = None) -> RunTotals:
-    """Queue every request of `plans`, drain the generator, emit one row per document."""
+             progress: bool = True, desc: Optional[str] = None, on_nonfinite: str = "error") -> RunTotals:
+    """Queue every request of `plans`, drain the generator, emit one row per document.
+
+    A document whose answers came from logits holding a NaN or an Inf (a broken model): with
+    on_nonfinite="error", NonFiniteLogits naming it (the rows emitted before stay); with "flag",
+    its row is emitted with the task's `nonfinite_logits` flag set (the task scores it as wrong)."""
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
     totals = RunTotals(metric=getattr(task, "progress_metric", "correct"))
     pending: dict[int, _Pending] = {}
     jobs = []
@@ -82,7 +92,7 @@ def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
     while generator.num_remaining_jobs():
         for result in generator.iterate():
             if result["eos"]:
-                _collect(task, pending, result, totals, out)
+                _collect(task, pending, result, totals, out, on_nonfinite)
         out.harvest()
         _postfix(bar, totals, generator, start)
     while out.inflight:
@@ -99,17 +109,23 @@ def _job(r: Request, identifier: Any) -> DynamicJob:
                       identifier=identifier)
 
 
-def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: RunTotals, out: _Emitter) -> None:
+def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: RunTotals, out: _Emitter,
+             on_nonfinite: str) -> None:
     index, request = result["identifier"]
     entry = pending[index]
     entry.answers.append(Answer(request, result["job"].state.new_ids, result["full_completion"],
                                 result.get("logits"), result["prompt_tokens"], result["cached_tokens"],
-                                result.get("eos_reason")))
+                                result.get("eos_reason"), result.get("nonfinite_logits", 0)))
     totals.prompt_tokens += result["prompt_tokens"]
     totals.cached_tokens += result["cached_tokens"]
     if len(entry.answers) < len(entry.plan.requests):
         return
     del pending[index]
+    if any(a.nonfinite_logits for a in entry.answers) and on_nonfinite == "error":
+        key = ", ".join(f"{c}={v}" for c, v in _key(task, entry.plan).items())
+        raise NonFiniteLogits(f"the model's logits hold NaN or Inf at a scored position of {key}: the model or "
+                              f"its dtype is broken. The rows scored before it are kept ({totals.docs} this "
+                              "session); pass --on-nonfinite flag to record such rows as wrong, flagged, and go on")
     out.scored(entry.plan, task.score(entry.plan, entry.answers))
 
 
@@ -117,6 +133,7 @@ def _emit(emit: Callable[[dict[str, Any]], None], totals: RunTotals, row: dict[s
     row = {k: v for k, v in row.items() if not k.startswith("_")}
     emit(row)
     totals.rows.append(row)
+    totals.nonfinite += bool(row.get(NONFINITE_COLUMN))
     if not row.get("skipped"):
         totals.docs += 1
         totals.correct += bool(row.get(totals.metric))

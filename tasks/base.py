@@ -23,6 +23,9 @@ class TaskDataError(ValueError):
     """Malformed task data: names the file and row."""
 
 
+NONFINITE_COLUMN = "nonfinite_logits"   # a row's flag: its answer came from NaN/Inf logits
+
+
 @dataclass(frozen=True)
 class Request:
     """One engine job. `doc_key` groups the requests of one document."""
@@ -46,6 +49,7 @@ class Answer:
     prompt_tokens: int
     cached_tokens: int
     stop_reason: Optional[str] = None   # "stop_token" | "stop_string" | "max_new_tokens"
+    nonfinite_logits: int = 0           # positions whose logits held a NaN or Inf (a broken model)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from engine import SamplerSettings
 
-from .base import Answer, DocPlan, Request, prompt_hash, register
+from .base import NONFINITE_COLUMN, Answer, DocPlan, Request, prompt_hash, register
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
 from .registry import HUMANEVAL
@@ -146,12 +146,14 @@ class HumanEvalTask:
         answer = answers[0]
         problem = self._by_id[plan.doc_key[0]]
         completion = extract_code(answer.text, problem.entry_point) if self.settings.chat else answer.text
+        broken = answer.nonfinite_logits > 0           # tokens sampled from NaN/Inf logits: never a pass
         row = {**plan.info, "completion": completion, "stop_reason": answer.stop_reason,
                "new_tokens": len(answer.token_ids), "prompt_tokens": answer.prompt_tokens,
-               "cached_tokens": answer.cached_tokens}
+               "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: broken}
         if self.settings.chat:
             row["response"] = answer.text
-        return submit_check(self.sandbox, problem, completion, lambda fields: {**row, **fields})
+        return submit_check(self.sandbox, problem, completion,
+                            lambda fields: {**row, **fields, **({"passed": False} if broken else {})})
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return summarize_rows(rows)
@@ -173,5 +175,6 @@ def summarize_rows(rows: list[dict[str, Any]], ks=DEFAULT_KS) -> tuple[list[dict
         "problems": len(counts), "samples": len(scored), "skipped": len(rows) - len(scored),
         "exec_status": dict(sorted(statuses.items())),
         "mean_exec_time": sum(exec_times) / len(exec_times) if exec_times else None,
+        NONFINITE_COLUMN: sum(bool(r.get(NONFINITE_COLUMN)) for r in scored),     # counted as failed
     })
     return problem_rows, overall

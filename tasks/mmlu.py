@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from .base import Answer, DocPlan, Request, TaskDataError, prompt_hash, register
+from .base import NONFINITE_COLUMN, Answer, DocPlan, Request, TaskDataError, prompt_hash, register
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
 from .mmlu_groups import GROUPS, group_of
 from .registry import MMLU
@@ -92,13 +92,15 @@ class MMLUTask:
         logprobs = choice_logprobs(plan.requests[0].input_ids, self.choice_ids, answers)
         best = max(range(4), key=lambda i: (logprobs[i], -i))          # ties -> lowest letter
         first = min(answers, key=lambda a: a.request.part)
+        broken = any(a.nonfinite_logits for a in answers)             # NaN/Inf logits: no answer at all
         return {
             **plan.info,
             "prompt_tokens": first.prompt_tokens,
             "cached_tokens": first.cached_tokens,
-            "prediction": LETTERS[best],
-            "correct": LETTERS[best] == plan.info["target"],
+            "prediction": "" if broken else LETTERS[best],
+            "correct": not broken and LETTERS[best] == plan.info["target"],
             "choice_logprobs": logprobs,
+            NONFINITE_COLUMN: broken,
         }
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -113,6 +115,7 @@ class MMLUTask:
         overall = _pooled(per_subject)
         overall["groups"] = {g: _pooled([s for s in per_subject if s["group"] == g]) for g in GROUPS}
         overall["skipped"] = len(rows) - len(scored)
+        overall[NONFINITE_COLUMN] = sum(bool(r.get(NONFINITE_COLUMN)) for r in scored)   # counted as wrong
         overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
                                      max(1, sum(1 for s in per_subject if s["n"])))
         return per_subject, overall
