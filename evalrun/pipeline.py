@@ -24,7 +24,8 @@ from typing import Any, Callable, ContextManager, Optional
 from evalrun.common import clean, generator_throughput, load_model, make_generator
 from evalrun.engine_config import EngineConfig, announce
 from evalrun.runner import RunTotals, run_task
-from results import RunStore, check_resumable, read_samples, stored_keys, write_prompts, write_summary
+from results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
+                     write_summary)
 from results.manifest import utc_now
 from tasks.base import Task
 
@@ -121,7 +122,7 @@ def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
     finalized now, without a model."""
     print(f"{len(todo.keys)} of {len(todo.keys)} {run.unit} already done in {run.out_dir}; nothing to run",
           file=sys.stderr)
-    if (run.stored or {}).get("status") == "finalized":
+    if (run.stored or {}).get("status") == "finalized" and samples_file_intact(run.out_dir):
         rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
         per, overall = run.task.summarize(rows)
     else:

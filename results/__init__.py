@@ -7,7 +7,7 @@ from results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
 from results.manifest import environment_info, fingerprint_model_dir, read_manifest, throughput
 from results.schema import SCHEMA_VERSION, Manifest, ModelFingerprint, Throughput
 from results.prompts import read_prompts, write_prompts
-from results.store import RunStore, check_resumable, inspect_run, read_samples, stored_keys
+from results.store import RunStore, check_resumable, inspect_run, read_samples, samples_file_intact, stored_keys
 from results.summary import write_summary
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "read_manifest",
     "read_prompts",
     "read_samples",
+    "samples_file_intact",
     "stored_keys",
     "write_prompts",
     "throughput",

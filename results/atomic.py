@@ -10,7 +10,7 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable, IO
+from typing import Any, Callable, IO, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,8 +26,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call `write(file)` on a temp file next to `path`, then publish it as `path`."""
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None],
+                 before_publish: Optional[Callable[[Path], None]] = None) -> None:
+    """Call `write(file)` on a temp file next to `path`, then publish it as `path`;
+    `before_publish(temp path)` runs on the complete, fsynced file just before (e.g. to record
+    its hash: a crash then leaves a record without a file, never a file without its record)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
     try:
@@ -35,6 +38,8 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_publish is not None:
+            before_publish(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -62,8 +67,9 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    atomic_write(path, lambda f: pq.write_table(table, f))
+def atomic_write_parquet(path: Path, table: pa.Table,
+                         before_publish: Optional[Callable[[Path], None]] = None) -> None:
+    atomic_write(path, lambda f: pq.write_table(table, f), before_publish)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

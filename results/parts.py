@@ -53,11 +53,12 @@ def read_part(path: Path, columns: Optional[Sequence[str]] = None) -> Optional[p
 
 
 def quarantine(path: Path) -> Path:
-    """Rename a torn part to `_quarantine-<name>` (pyarrow.dataset skips names starting with "_")."""
+    """Rename a torn or damaged part to `_quarantine-<name>` (pyarrow.dataset skips names starting with "_")."""
     target = path.with_name(QUARANTINE_PREFIX + path.name)
     os.replace(path, target)
     fsync_dir(path.parent)
-    warnings.warn(f"torn or unreadable sample part {path.name} moved to {target.name}; its rows will be redone")
+    warnings.warn(f"torn or damaged sample part {path.name} (unreadable, or its bytes do not match its hash in "
+                  f"_checksums.jsonl) moved to {target.name}; its rows will be redone")
     return target
 
 

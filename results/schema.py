@@ -6,10 +6,12 @@
       samples/
         part-000000-1a2b3c4d.parquet   one file per flush (complete or absent)
         .part-...parquet.tmp           in-flight write, removed on the next open
-        _quarantine-part-...parquet    torn part moved aside (ignored by pyarrow.dataset)
+        _quarantine-part-...parquet    torn or damaged part moved aside (ignored by pyarrow.dataset)
+        _checksums.jsonl               {"part", "sha256"} of each part, written before it is published
       prompts/
         part-000000-1a2b3c4d.parquet   prompt_hash, prompt: each distinct prompt once (results/prompts.py)
-      samples.parquet          all parts merged, deduplicated on the key, sorted by key
+      samples.parquet          all parts merged, deduplicated on the key, sorted by key (its sha256:
+                               manifest["samples_sha256"]; see results/checksums.py)
       summary.parquet          per-subject (or per-group) rows from write_summary
       summary.json             headline numbers from write_summary
 """
@@ -30,6 +32,7 @@ SUMMARY_PARQUET = "summary.parquet"
 SUMMARY_JSON = "summary.json"
 QUARANTINE_PREFIX = "_quarantine-"
 TMP_SUFFIX = ".tmp"
+CHECKSUMS_FILE = "_checksums.jsonl"     # in samples/
 
 # Parquet key-value metadata of samples.parquet: JSON list of the part names merged into it.
 MERGED_PARTS_METADATA_KEY = b"evalrun.merged_parts"
@@ -112,6 +115,7 @@ class Manifest(TypedDict, total=False):
     # set at the end (finalize / RunStore.record_session of the session that started the run)
     finalized_at: str
     num_samples: int
+    samples_sha256: str  # sha256 of samples.parquet as written (results/checksums.py)
     end_time: str
     throughput: Throughput
     wall_seconds: float  # humaneval --score-samples

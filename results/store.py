@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import pandas as pd
 import pyarrow as pa
 
+from results import checksums
 from results.atomic import atomic_write_parquet, fsync_dir, to_jsonable
 from results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
 from results.manifest import environment_info, identity_mismatches, read_manifest, utc_now, write_manifest
@@ -33,6 +34,7 @@ from results.parts import (
     with_merged_parts,
 )
 from results.schema import (
+    CHECKSUMS_FILE,
     LOCK_FILE,
     MANIFEST_FILE,
     PART_RE,
@@ -69,6 +71,7 @@ class RunStore:
         self._keys: set[Key] = set()
         self._seq = 0
         self.resumed = False            # True when open() resumed a stored run
+        self._checksummed = (self.samples_dir / CHECKSUMS_FILE).exists()   # False: a run from before checksums
 
     @classmethod
     def open(cls, run_dir: str | Path, manifest: dict[str, Any], key_columns: Sequence[str],
@@ -100,6 +103,8 @@ class RunStore:
                 final = _new_manifest(given, key_columns)
             write_manifest(run_dir, final)
             (run_dir / SAMPLES_DIR).mkdir(exist_ok=True)
+            if not resuming:
+                checksums.start_index(run_dir / SAMPLES_DIR)      # a new run: every part verified
             fsync_dir(run_dir)
             store = cls(run_dir, final, key_columns, flush_rows, flush_seconds, lock_fd)
             store.resumed = resuming
@@ -133,7 +138,11 @@ class RunStore:
             return
         table = self._to_table(self._buffer)
         name = part_name(self._seq, uuid.uuid4().hex[:8])
-        atomic_write_parquet(self.samples_dir / name, table)
+        record = None
+        if self._checksummed:
+            def record(tmp: Path) -> None:
+                checksums.record(self.samples_dir, name, checksums.sha256_file(tmp))
+        atomic_write_parquet(self.samples_dir / name, table, record)
         self._seq += 1
         self._keys.update(_keys_of(table, self.key_columns))
         self._buffer.clear()
@@ -141,11 +150,14 @@ class RunStore:
     def finalize(self) -> pd.DataFrame:
         """Flush, merge everything into samples.parquet (first row per key wins, sorted by key)."""
         self.flush()
-        tables, covered = _collect(self.run_dir, self._quarantine)
+        tables, covered = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"))
         merged = merge_tables(tables, self.key_columns)
-        atomic_write_parquet(self.run_dir / SAMPLES_FILE, with_merged_parts(merged, covered))
+        digest: dict[str, str] = {}
+        atomic_write_parquet(self.run_dir / SAMPLES_FILE, with_merged_parts(merged, covered),
+                             lambda tmp: digest.update(sha256=checksums.sha256_file(tmp)))
         self._keys = set(_keys_of(merged, self.key_columns)) if merged.num_columns else set()
-        self.update_manifest(status="finalized", finalized_at=utc_now(), num_samples=merged.num_rows)
+        self.update_manifest(status="finalized", finalized_at=utc_now(), num_samples=merged.num_rows,
+                             samples_sha256=digest["sha256"])
         return merged.to_pandas()
 
     def update_manifest(self, **fields: Any) -> None:
@@ -193,7 +205,7 @@ class RunStore:
     def _scan(self) -> None:
         """Load what is on disk: keys, column order and types; quarantine torn parts."""
         remove_stale_temps(self.samples_dir)
-        tables, _ = _collect(self.run_dir, self._quarantine)
+        tables, _ = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"))
         for table in tables:
             self._keys.update(_keys_of(table, self.key_columns))
             for field in table.schema:
@@ -225,32 +237,64 @@ def read_samples(run_dir: str | Path) -> pd.DataFrame:
     run_dir = Path(run_dir)
     if not (run_dir / MANIFEST_FILE).is_file():
         raise NotARunDirError(f"{run_dir} has no {MANIFEST_FILE}")
-    key_columns = read_manifest(run_dir)["key_columns"]
-    tables, _ = _collect(run_dir, lambda p: warnings.warn(f"skipping torn or unreadable sample part {p}"))
+    manifest = read_manifest(run_dir)
+    key_columns = manifest["key_columns"]
+    tables, _ = _collect(run_dir, lambda p: warnings.warn(f"skipping torn or damaged sample part {p}"),
+                         manifest.get("samples_sha256"))
     return merge_tables(tables, key_columns).to_pandas()
 
 
-def _collect(run_dir: Path, on_torn: Callable[[Path], None]) -> tuple[list[pa.Table], list[str]]:
+def _collect(run_dir: Path, on_torn: Callable[[Path], None],
+             samples_sha256: Optional[str] = None) -> tuple[list[pa.Table], list[str]]:
     """Tables in write order — samples.parquet, then parts not merged into it — and the part names
-    they cover. samples.parquet is used only if it records which parts it merged."""
+    they cover. samples.parquet is used only if it records which parts it merged and its bytes
+    hash to `samples_sha256` (when given); otherwise it is rebuilt from the parts, with a warning.
+    A part that is torn, or whose bytes do not hash to its line in _checksums.jsonl, goes to
+    `on_torn` and is not read."""
     samples_file = run_dir / SAMPLES_FILE
     recorded = merged_parts_of(samples_file) if samples_file.exists() else None
     tables: list[pa.Table] = []
     covered: list[str] = []
-    if recorded is not None and (base := read_part(samples_file)) is not None:
-        tables.append(base)
-        covered = list(recorded)
+    if samples_file.exists():
+        intact = samples_sha256 is None or _hash_matches(samples_file, samples_sha256)
+        base = read_part(samples_file) if recorded is not None and intact else None
+        if base is not None:
+            tables.append(base)
+            covered = list(recorded)
+        else:
+            why = "its bytes do not match the manifest's samples_sha256" if not intact else "unreadable or truncated"
+            warnings.warn(f"{samples_file} is damaged ({why}): its rows are read from the sample parts, "
+                          "and it is rebuilt from them when the run is finalized")
     merged_names = set(covered)
+    index = checksums.load_index(run_dir / SAMPLES_DIR)
     for path in list_parts(run_dir / SAMPLES_DIR):
         if path.name in merged_names:
             continue
-        table = read_part(path)
+        table = read_part(path) if checksums.part_ok(path, index) else None
         if table is None:
             on_torn(path)
             continue
         tables.append(table)
         covered.append(path.name)
     return tables, covered
+
+
+def samples_file_intact(run_dir: str | Path) -> bool:
+    """Whether the run's samples.parquet is there, readable, and (when the manifest records its
+    hash) byte for byte what was written."""
+    run_dir = Path(run_dir)
+    path = run_dir / SAMPLES_FILE
+    if merged_parts_of(path) is None or read_part(path) is None:
+        return False
+    recorded = read_manifest(run_dir).get("samples_sha256") if (run_dir / MANIFEST_FILE).is_file() else None
+    return recorded is None or _hash_matches(path, recorded)
+
+
+def _hash_matches(path: Path, sha256: str) -> bool:
+    try:
+        return checksums.sha256_file(path) == sha256
+    except OSError:
+        return False
 
 
 def _keys_of(table: pa.Table, key_columns: Sequence[str]) -> list[Key]:
@@ -381,5 +425,9 @@ def check_resumable(run_dir: Path, stored: dict[str, Any], identity: dict[str, A
 
 def stored_keys(run_dir: str | Path, key_columns: Sequence[str]) -> set[Key]:
     """Keys of the rows durably stored in `run_dir` (read-only: torn parts are skipped, not moved)."""
-    tables, _ = _collect(Path(run_dir), lambda p: None)
+    run_dir = Path(run_dir)
+    stored = read_manifest(run_dir) if (run_dir / MANIFEST_FILE).is_file() else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # the store that opens the run says it, once
+        tables, _ = _collect(run_dir, lambda p: None, stored.get("samples_sha256"))
     return {k for t in tables for k in _keys_of(t, key_columns)}
