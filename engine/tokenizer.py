@@ -28,6 +28,10 @@ from engine.chat_template import compile_chat_template, find_chat_template, rend
 from engine.streaming import StreamingDecoder
 
 TOKENIZER_FILE = "tokenizer.json"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be read; the message names the file."""
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -94,7 +98,10 @@ class Tokenizer:
                 f"no {TOKENIZER_FILE} in model directory {str(model_dir)!r}: "
                 f"expected a Hugging Face tokenizer file at {str(path)!r}"
             )
-        hf = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+            raise TokenizerError(f"{path}: not a readable Hugging Face tokenizer file ({exc})") from None
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         model_config = _read_json(model_dir / "config.json")
         gen_config = _read_json(model_dir / "generation_config.json")

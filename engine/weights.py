@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 
 class WeightsError(ValueError):
@@ -18,18 +18,32 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise WeightsError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
         files = {name: model_dir / fname for name, fname in weight_map.items()}
         missing = sorted({str(p.name) for p in files.values() if not p.is_file()})
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are missing: {', '.join(missing)}")
         return files
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     raise FileNotFoundError(
         f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
     )
+
+
+def _open(path: Path):
+    """safe_open, with a truncated or corrupt file named in a WeightsError."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise WeightsError(f"{path}: not a readable safetensors file ({exc}); it may be truncated or corrupt: "
+                           "copy or download it again") from None
 
 
 class WeightReader:
@@ -49,8 +63,12 @@ class WeightReader:
             raise WeightsError(f"weights lack tensor {name!r} (checked {len(self.files)} tensors)")
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        tensor = self._handles[path].get_tensor(name)
+            self._handles[path] = _open(path)
+        try:
+            tensor = self._handles[path].get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise WeightsError(f"{path}: tensor {name!r} cannot be read ({exc}); the file may be truncated or "
+                               "corrupt: copy or download it again") from None
         if tuple(tensor.shape) != tuple(shape):
             raise WeightsError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(shape)}")
         return tensor.to(device=self.device, dtype=dtype or self.dtype)

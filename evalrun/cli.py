@@ -7,6 +7,7 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from typing import Optional, Sequence
 
 from evalrun import __version__
@@ -191,6 +192,14 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _one_line_warnings(command: str) -> None:
+    """Our warnings (a damaged part moved aside, a rebuilt samples.parquet) as one line each,
+    "evalrun mmlu: warning: ...", not Python's two-line file:line form."""
+    def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001 - warnings' signature
+        return f"evalrun {command}: warning: {message}\n"
+    warnings.formatwarning = fmt
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run; returns the exit status."""
     parser = build_parser()
@@ -200,6 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     from evalrun.errors import BadInput, RunFailed, as_bad_input
     _exit_on_sigterm()
+    _one_line_warnings(args.command)
     if hasattr(args, "cache_modes"):
         args.cache_mode = args.cache_modes[0]          # one run's mode; a sweep sets each in turn
     try:

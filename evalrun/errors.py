@@ -1,7 +1,9 @@
 """Which exceptions are the user's input (exit code 2, one clear line) and which are bugs."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 from typing import Optional
 
 
@@ -18,14 +20,27 @@ class NonFiniteLogits(RunFailed):
     """A scored position's logits held a NaN or an Inf (--on-nonfinite error)."""
 
 
+_WRITE_HINTS = {
+    errno.ENOSPC: "free some space and run the same command again: it resumes from the rows already stored",
+    errno.EDQUOT: "free some of the quota and run the same command again: it resumes from the rows already stored",
+    errno.EROFS: "give an --output-dir on a writable file system",
+    errno.EACCES: "give an --output-dir this user may write to",
+    errno.EPERM: "give an --output-dir this user may write to",
+}
+
+
 def as_bad_input(exc: BaseException) -> Optional[BadInput]:
     from engine.config import ConfigError
+    from engine.tokenizer import TokenizerError
     from engine.weights import WeightsError
     from tasks.base import TaskDataError
     from results import NotARunDirError, ResumeMismatchError, RunDirBusyError
 
-    user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TaskDataError,
+    user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TokenizerError, TaskDataError,
                    ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)
     if isinstance(exc, user_errors):
         return BadInput(str(exc))
+    if isinstance(exc, OSError) and exc.errno in _WRITE_HINTS:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return BadInput(f"{where}{exc.strerror or os.strerror(exc.errno)}; {_WRITE_HINTS[exc.errno]}")
     return None

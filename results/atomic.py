@@ -34,13 +34,24 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None],
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
     try:
-        with open(tmp, "wb") as f:
+        f = open(tmp, "wb")
+        try:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        finally:
+            try:
+                f.close()
+            except OSError:        # flushing what a full disk refused: the error above is the one to report
+                pass
         if before_publish is not None:
             before_publish(tmp)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:                      # name the file the user can act on
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -53,7 +53,13 @@ def load_index(samples_dir: Path) -> Optional[dict[str, str]]:
 def record(samples_dir: Path, part: str, sha256: str) -> None:
     """Append one part's line and fsync it (called before the part is published)."""
     line = json.dumps({"part": part, "sha256": sha256}) + "\n"
-    fd = os.open(Path(samples_dir) / CHECKSUMS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    path = Path(samples_dir) / CHECKSUMS_FILE
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":                  # a line torn by a crash or a full disk: end it
+                line = "\n" + line
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, line.encode())
         os.fsync(fd)

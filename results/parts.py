@@ -57,8 +57,9 @@ def quarantine(path: Path) -> Path:
     target = path.with_name(QUARANTINE_PREFIX + path.name)
     os.replace(path, target)
     fsync_dir(path.parent)
-    warnings.warn(f"torn or damaged sample part {path.name} (unreadable, or its bytes do not match its hash in "
-                  f"_checksums.jsonl) moved to {target.name}; its rows will be redone")
+    warnings.warn(f"torn or damaged sample part {path.name} (unreadable, its bytes not those recorded in "
+                  f"_checksums.jsonl, or without this run's key columns) moved to {target.name}; its rows will be "
+                  "redone")
     return target
 
 

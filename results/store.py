@@ -150,7 +150,8 @@ class RunStore:
     def finalize(self) -> pd.DataFrame:
         """Flush, merge everything into samples.parquet (first row per key wins, sorted by key)."""
         self.flush()
-        tables, covered = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"))
+        tables, covered = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"),
+                                   self.key_columns)
         merged = merge_tables(tables, self.key_columns)
         digest: dict[str, str] = {}
         atomic_write_parquet(self.run_dir / SAMPLES_FILE, with_merged_parts(merged, covered),
@@ -177,12 +178,17 @@ class RunStore:
         self.manifest["resumes"][-1].update(to_jsonable(fields))
         write_manifest(self.run_dir, self.manifest)
 
-    def close(self) -> None:
-        """Flush and release the run dir's lock. Idempotent."""
+    def close(self, raise_errors: bool = True) -> None:
+        """Flush and release the run dir's lock. Idempotent. With raise_errors=False (the run is
+        already failing, e.g. the disk is full) a failed last flush is dropped, so the first error
+        is the one reported; the rows it held are not stored and a resume computes them again."""
         if self._lock_fd is None:
             return
         try:
             self.flush()
+        except Exception:  # noqa: BLE001 - another error is already on its way
+            if raise_errors:
+                raise
         finally:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -190,8 +196,8 @@ class RunStore:
     def __enter__(self) -> "RunStore":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(raise_errors=exc_type is None)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -205,7 +211,7 @@ class RunStore:
     def _scan(self) -> None:
         """Load what is on disk: keys, column order and types; quarantine torn parts."""
         remove_stale_temps(self.samples_dir)
-        tables, _ = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"))
+        tables, _ = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"), self.key_columns)
         for table in tables:
             self._keys.update(_keys_of(table, self.key_columns))
             for field in table.schema:
@@ -240,17 +246,17 @@ def read_samples(run_dir: str | Path) -> pd.DataFrame:
     manifest = read_manifest(run_dir)
     key_columns = manifest["key_columns"]
     tables, _ = _collect(run_dir, lambda p: warnings.warn(f"skipping torn or damaged sample part {p}"),
-                         manifest.get("samples_sha256"))
+                         manifest.get("samples_sha256"), key_columns)
     return merge_tables(tables, key_columns).to_pandas()
 
 
-def _collect(run_dir: Path, on_torn: Callable[[Path], None],
-             samples_sha256: Optional[str] = None) -> tuple[list[pa.Table], list[str]]:
+def _collect(run_dir: Path, on_torn: Callable[[Path], None], samples_sha256: Optional[str] = None,
+             key_columns: Sequence[str] = ()) -> tuple[list[pa.Table], list[str]]:
     """Tables in write order — samples.parquet, then parts not merged into it — and the part names
     they cover. samples.parquet is used only if it records which parts it merged and its bytes
     hash to `samples_sha256` (when given); otherwise it is rebuilt from the parts, with a warning.
     A part that is torn, or whose bytes do not hash to its line in _checksums.jsonl, goes to
-    `on_torn` and is not read."""
+    `on_torn` and is not read, as does one without the `key_columns` (not a part of this run)."""
     samples_file = run_dir / SAMPLES_FILE
     recorded = merged_parts_of(samples_file) if samples_file.exists() else None
     tables: list[pa.Table] = []
@@ -271,7 +277,7 @@ def _collect(run_dir: Path, on_torn: Callable[[Path], None],
         if path.name in merged_names:
             continue
         table = read_part(path) if checksums.part_ok(path, index) else None
-        if table is None:
+        if table is None or not _has_columns(table, key_columns):
             on_torn(path)
             continue
         tables.append(table)
@@ -288,6 +294,13 @@ def samples_file_intact(run_dir: str | Path) -> bool:
         return False
     recorded = read_manifest(run_dir).get("samples_sha256") if (run_dir / MANIFEST_FILE).is_file() else None
     return recorded is None or _hash_matches(path, recorded)
+
+
+def _has_columns(table: pa.Table, columns: Sequence[str]) -> bool:
+    try:
+        return set(columns) <= set(table.column_names)
+    except (UnicodeDecodeError, ValueError):         # a garbled schema (a run from before checksums)
+        return False
 
 
 def _hash_matches(path: Path, sha256: str) -> bool:
@@ -429,5 +442,5 @@ def stored_keys(run_dir: str | Path, key_columns: Sequence[str]) -> set[Key]:
     stored = read_manifest(run_dir) if (run_dir / MANIFEST_FILE).is_file() else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the store that opens the run says it, once
-        tables, _ = _collect(run_dir, lambda p: None, stored.get("samples_sha256"))
+        tables, _ = _collect(run_dir, lambda p: None, stored.get("samples_sha256"), key_columns)
     return {k for t in tables for k in _keys_of(t, key_columns)}

@@ -101,6 +101,8 @@ def _build(splits: dict[str, Split]) -> MMLUData:
             doc = _doc(r, len(by_subject.get(r["subject"], [])), where)
             by_subject.setdefault(doc.subject, []).append(doc)
             digest.update(repr((split, doc)).encode())
+        if split == "test" and not by_subject:
+            raise TaskDataError(f"{source}: the test split has no questions (0 rows)")
         out[split] = by_subject
     for subject, docs in out["test"].items():
         if len(out["dev"].get(subject, [])) < 5:
