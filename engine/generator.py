@@ -12,7 +12,7 @@ from .cache import PagedCache
 from .job import DynamicJob
 from .model import Model
 from .output import JobOutput
-from .sampler import SampleResult, SamplerSettings, greedy_tokens, sample
+from .sampler import SampleResult, SamplerSettings, ban_tokens, greedy_tokens, sample
 from .scheduler import ScheduledChunk, Scheduler
 from .tokenizer import Tokenizer
 from .types import GeneratorResult, GeneratorStats
@@ -198,11 +198,19 @@ def _mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tenso
 
 
 def _sample_rows(jobs: list[DynamicJob], logits: torch.Tensor) -> list[SampleResult]:
-    """Greedy jobs without penalties or extras share one argmax; the rest sample alone."""
+    """Greedy jobs without penalties or extras share one argmax (stop tokens banned before
+    min_new_tokens set to -inf in a copy of their rows, as `sample` does); the rest sample alone."""
     out: list[Optional[SampleResult]] = [None] * len(jobs)
     fast = [i for i, j in enumerate(jobs) if _plain_greedy(j)]
     if fast:
-        tokens = greedy_tokens(logits if len(fast) == len(jobs) else logits[fast]).tolist()
+        rows = logits if len(fast) == len(jobs) else logits[fast]
+        bans = [(r, _banned(jobs[i])) for r, i in enumerate(fast)]
+        bans = [(r, b) for r, b in bans if b]
+        if bans:
+            rows = rows.clone() if rows is logits else rows
+            for r, banned in bans:
+                rows[r] = ban_tokens(rows[r], banned)
+        tokens = greedy_tokens(rows).tolist()
         for i, t in zip(fast, tokens):
             out[i] = SampleResult(token=t, prob=float("nan"), probs=None)
     for i, job in enumerate(jobs):
@@ -213,8 +221,7 @@ def _sample_rows(jobs: list[DynamicJob], logits: torch.Tensor) -> list[SampleRes
 
 def _plain_greedy(job: DynamicJob) -> bool:
     s = job.gen_settings
-    return (s.is_greedy and not s.needs_history and not job.return_probs and not job.return_top_tokens
-            and not _banned(job))
+    return s.is_greedy and not s.needs_history and not job.return_probs and not job.return_top_tokens
 
 
 def _banned(job: DynamicJob) -> list[int]:

@@ -345,3 +345,23 @@ def test_validation_names_field_value_and_range(field, value, allowed):
 def test_settings_are_frozen():
     with pytest.raises(AttributeError):
         SamplerSettings().temperature = 1.0  # type: ignore[misc]
+
+
+def test_batched_greedy_bans_stop_tokens_before_min_new_tokens_like_sample():
+    """The one-argmax greedy path takes jobs whose stop tokens are still banned (min_new_tokens):
+    each row's token is what `sample` gives on that row with the ban, and the logits the caller
+    holds (returned to return_logits jobs) are not changed."""
+    from engine import DynamicJob
+    from engine.generator import _banned, _sample_rows
+    from engine.sampler import SamplerSettings, sample
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    top = logits.argmax(dim=1)
+    jobs = [DynamicJob([1], max_new_tokens=8, min_new_tokens=4 if i % 2 else 0,
+                       stop_conditions=[int(top[i]), 7]) for i in range(5)]
+    before = logits.clone()
+    got = [r.token for r in _sample_rows(jobs, logits)]
+    want = [sample(logits[i], SamplerSettings(), None, None, _banned(j)).token for i, j in enumerate(jobs)]
+    assert got == want
+    assert [got[i] != int(top[i]) for i in range(5)] == [False, True, False, True, False]   # banned rows moved
+    assert torch.equal(logits, before)
