@@ -12,7 +12,7 @@ from .cache import PagedCache
 from .job import DynamicJob
 from .model import Model
 from .output import JobOutput
-from .sampler import SampleResult, SamplerSettings, ban_tokens, greedy_tokens, sample
+from .sampler import SampleResult, SamplerSettings, greedy_tokens, sample
 from .scheduler import ScheduledChunk, Scheduler
 from .tokenizer import Tokenizer
 from .types import GeneratorResult, GeneratorStats
@@ -199,18 +199,22 @@ def _mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tenso
 
 def _sample_rows(jobs: list[DynamicJob], logits: torch.Tensor) -> list[SampleResult]:
     """Greedy jobs without penalties or extras share one argmax (stop tokens banned before
-    min_new_tokens set to -inf in a copy of their rows, as `sample` does); the rest sample alone."""
+    min_new_tokens at -inf for it, as `sample` bans them); the rest sample alone."""
     out: list[Optional[SampleResult]] = [None] * len(jobs)
     fast = [i for i, j in enumerate(jobs) if _plain_greedy(j)]
     if fast:
         rows = logits if len(fast) == len(jobs) else logits[fast]
-        bans = [(r, _banned(jobs[i])) for r, i in enumerate(fast)]
-        bans = [(r, b) for r, b in bans if b]
-        if bans:
-            rows = rows.clone() if rows is logits else rows
-            for r, banned in bans:
-                rows[r] = ban_tokens(rows[r], banned)
-        tokens = greedy_tokens(rows).tolist()
+        bans = [(r, t) for r, i in enumerate(fast) for t in _banned(jobs[i])]     # ids checked at enqueue
+        if bans:                  # -inf in place for the argmax, then the caller's values back (no copy)
+            where = tuple(torch.tensor(list(ix)) for ix in zip(*bans))
+            saved = rows[where].clone()
+            rows[where] = float("-inf")
+            try:
+                tokens = greedy_tokens(rows).tolist()
+            finally:
+                rows[where] = saved
+        else:
+            tokens = greedy_tokens(rows).tolist()
         for i, t in zip(fast, tokens):
             out[i] = SampleResult(token=t, prob=float("nan"), probs=None)
     for i, job in enumerate(jobs):

@@ -18,7 +18,7 @@ import signal
 import sys
 
 from tasks.sandbox import confine
-from tasks.sandbox.codec import (MESSAGE_CHARS, CodecError, decode_value, encode_value, error_line,
+from tasks.sandbox.codec import (MESSAGE_CHARS, READY, CodecError, decode_value, encode_value, error_line,
                                  read_frame, write_frame)
 
 # NOTE: re-raising these from a call could end a loop early (map() stops on StopIteration).
@@ -123,6 +123,9 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     if os.getppid() != cfg["parent_pid"]:
         os._exit(1)
+    # Non-dumpable now: a process of the same uid can no longer open /proc/<this>/fd or mem. Only
+    # after this byte does the parent hand the worker its program (execute.py: READY).
+    os.write(cfg["fd_verdict"], READY)
     message = json.loads(sys.stdin.buffer.read())
     link = WorkerLink(cfg["fd_requests"], cfg["fd_replies"])
     try:

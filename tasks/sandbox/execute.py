@@ -6,7 +6,10 @@
     parent holds the lifeline's write end: closing it makes the launcher end the worker.
 
 NOTE: every pipe end is created close-on-exec and handed only to its one child through
-pass_fds; the worker never holds the verdict pipe or the nonce.
+pass_fds; the worker never holds the verdict pipe or the nonce. The worker gets its program only
+after the checker's first byte (READY) says the checker is non-dumpable, and the parent is
+non-dumpable from the Sandbox's start: a worker of the same uid (the basic level without root)
+cannot read either's memory for the nonce or open their pipes through /proc.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from typing import Callable, Optional
 
 from . import procs
 from .isolation import NAMESPACE_WORKDIR, Isolation, launcher_argv, launcher_config, worker_env
+from .codec import READY
 from .sources import PYTHON_FLAGS, checker_source
 from .spec import CheckSpec, ExecResult, SandboxLimits
 
@@ -161,9 +165,11 @@ class CheckRun:
     def _watch(self, deadline: float) -> None:
         """Pump the pipes until a verdict decides the check, or the deadline/output cap hits."""
         sel = selectors.DefaultSelector()
+        held = self._worker.stdin.fileno() if self._worker is not None and self._worker.stdin else -1
         for fd in self._pending:
             os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_WRITE, "stdin")
+            if fd != held:              # the worker's program waits for the checker's READY
+                sel.register(fd, selectors.EVENT_WRITE, "stdin")
         for role in ("output", "verdict", "worker_pidfd"):
             sel.register(self._fds[role], selectors.EVENT_READ, role)
         sel.register(self._wake_r, selectors.EVENT_READ, "abort")
@@ -190,6 +196,9 @@ class CheckRun:
                             return
                     else:
                         self._drain(sel, key.fd, "verdict", verdict)
+                        if held >= 0 and verdict[:1] == READY and held in self._pending:
+                            sel.register(held, selectors.EVENT_WRITE, "stdin")
+                            held = -1
         finally:
             sel.close()
 
@@ -198,9 +207,10 @@ class CheckRun:
         worker went away: then also wait for the worker's exit status (to say why)."""
         if "verdict" in self._fds:
             return False
-        if self.outcome.verdict is None and verdict:
+        data = bytes(verdict[1:] if verdict[:1] == READY else verdict)
+        if self.outcome.verdict is None and data:
             try:
-                parsed = json.loads(bytes(verdict))
+                parsed = json.loads(data)
             except ValueError:
                 parsed = None
             self.outcome.verdict = parsed if isinstance(parsed, dict) else {}

@@ -25,6 +25,7 @@ import sys
 import threading
 from typing import Any, Optional
 
+from .confine import PR_SET_DUMPABLE, prctl
 from .execute import CheckRun
 from .isolation import detect
 from .spec import CheckSpec, ExecResult, SandboxLimits
@@ -48,6 +49,9 @@ class Sandbox:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
         self.limits, self.workers, self.python = limits, workers, python
+        # This process holds every check's nonce and verdict pipe: non-dumpable, its /proc/<pid>/mem
+        # and /proc/<pid>/fd are closed to processes of the same uid (a worker at the basic level).
+        prctl(PR_SET_DUMPABLE, 0)
         self._lease: Optional[UidLease] = UidLease(base_uid, workers) if os.geteuid() == 0 else None
         try:
             self._iso = detect(isolation, python, limits, self._lease.uids[0] if self._lease else None)
@@ -70,6 +74,7 @@ class Sandbox:
         rlimits, notes (what is NOT isolated and why), sandbox_uids, for the run manifest."""
         info = copy.deepcopy(self._iso.info)
         info["sandbox_uids"] = list(self._uids)
+        info["harness_non_dumpable"] = info["checker_non_dumpable"] = True   # before any program runs
         return info
 
     def run(self, spec: CheckSpec) -> ExecResult:
