@@ -207,12 +207,13 @@ def _sample_rows(jobs: list[DynamicJob], logits: torch.Tensor) -> list[SampleRes
         bans = [(r, t) for r, i in enumerate(fast) for t in _banned(jobs[i])]     # ids checked at enqueue
         if bans:                  # -inf in place for the argmax, then the caller's values back (no copy)
             where = tuple(torch.tensor(list(ix)) for ix in zip(*bans))
-            saved = rows[where].clone()
-            rows[where] = float("-inf")
-            try:
-                tokens = greedy_tokens(rows).tolist()
-            finally:
-                rows[where] = saved
+            with torch.inference_mode(rows.is_inference()):      # the model's logits are inference tensors
+                saved = rows[where].clone()
+                rows[where] = float("-inf")
+                try:
+                    tokens = greedy_tokens(rows).tolist()
+                finally:
+                    rows[where] = saved
         else:
             tokens = greedy_tokens(rows).tolist()
         for i, t in zip(fast, tokens):

@@ -355,7 +355,8 @@ def test_batched_greedy_bans_stop_tokens_before_min_new_tokens_like_sample():
     from engine.generator import _banned, _sample_rows
     from engine.sampler import SamplerSettings, sample
     torch.manual_seed(0)
-    logits = torch.randn(5, 50)
+    with torch.inference_mode():                  # as the model makes them
+        logits = torch.randn(5, 50)
     top = logits.argmax(dim=1)
     jobs = [DynamicJob([1], max_new_tokens=8, min_new_tokens=4 if i % 2 else 0,
                        stop_conditions=[int(top[i]), 7]) for i in range(5)]
