@@ -137,10 +137,14 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
                      "CAP_DAC_READ_SEARCH (it can read any file)")
     if report.get("ro_failed"):
         notes.append(f"could not make read-only: {', '.join(report['ro_failed'])}")
+    if report.get("seccomp_error"):
+        notes.append(f"no seccomp filter ({report['seccomp_error']}): the worker can create Unix, netlink and "
+                     "vsock sockets (a host's Unix sockets are reachable) and use the kernel keyrings")
     return {"level": iso.level, "network_isolated": namespaced and set(report["interfaces"]) <= {"lo"},
             "pid_namespace": bool(report.get("pid_namespace")), "readonly_fs": bool(report["root_readonly"]),
             "uid_dropped": uid is not None and report["uid"] == uid, "capabilities_dropped": report["cap_eff"] == 0,
             "exposed_paths": report.get("exposed", []), "rebound_paths": report.get("rebound", []),
+            "seccomp_denied": report.get("seccomp_denied", []),
             "rlimits": {"cpu_seconds": limits.cpu_seconds, "address_space_mb_above_interpreter": limits.memory_mb,
                         "file_size_mb": limits.file_size_mb, "max_processes": report["nproc"], "core": 0},
             "wall_timeout_s": limits.timeout, "output_bytes": limits.output_bytes, "notes": notes}

@@ -107,6 +107,10 @@ def confine_worker(cfg: dict, report: dict) -> None:
     elif privileged:
         confine.set_capabilities(0)
     confine.prctl(confine.PR_SET_NO_NEW_PRIVS, 1)
+    try:
+        report["seccomp_denied"] = confine.deny_syscalls()
+    except OSError as exc:
+        report["seccomp_denied"], report["seccomp_error"] = [], str(exc)
     confine.prctl(confine.PR_SET_DUMPABLE, 1)    # NOTE: setuid cleared it; /proc/self needs it
     os.chdir(cfg["workdir"])
     null = os.open(os.devnull, os.O_RDONLY)

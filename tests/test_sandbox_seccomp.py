@@ -1,0 +1,122 @@
+"""Issue 13, items 3 and 4: host Unix sockets and kernel keyrings. A read-only mount and a network
+namespace do not stop connect() to a 0666 AF_UNIX socket under a host path, and a key stored in the
+user keyring by one sample was read back by the next (and by a later run on the same uid). The
+worker's seccomp filter refuses socket() for AF_UNIX, AF_NETLINK and AF_VSOCK and the keyring
+calls (add_key, keyctl, request_key), at every level this machine provides.
+
+A sample "passes" here only if its attack worked: the completion returns the right answer for
+HumanEval/0 exactly when it reached the socket or found the key, so `passed` would reveal a hole."""
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+
+import pytest
+from sandbox_helpers import FAST, LEVELS, he_spec, open_sandbox
+
+CORRECT = """\
+    for i, a in enumerate(numbers):
+        for j, b in enumerate(numbers):
+            if i != j and abs(a - b) < threshold:
+                return True
+    return False
+"""
+
+
+def _when(condition_code: str) -> str:
+    """A completion: `condition_code` sets `ok`; the right answer only if ok, else a wrong one."""
+    body = textwrap.indent(textwrap.dedent(condition_code), "    ")
+    return body + "    if not ok:\n        return None\n" + CORRECT
+
+
+def test_host_unix_socket_is_unreachable(level_box, problems, tmp_path):
+    path = tmp_path / "host.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    os.chmod(path, 0o666)
+    os.chmod(tmp_path, 0o755)
+    server.listen(8)
+    server.setblocking(False)
+    try:
+        attack = f"""
+        import socket
+        ok = False
+        for family in (socket.AF_UNIX,):
+            try:
+                s = socket.socket(family, socket.SOCK_STREAM)
+                s.connect({str(path)!r})
+                s.sendall(b"hello")
+                ok = True
+            except OSError:
+                pass
+        """
+        result = level_box.run(he_spec(problems["HumanEval/0"], _when(attack)))
+        assert result.status == "failed", result
+        with pytest.raises(BlockingIOError):
+            server.accept()                                      # no connection ever arrived
+    finally:
+        server.close()
+    assert "socket(AF_UNIX)" in level_box.isolation_info()["seccomp_denied"]
+
+
+def test_netlink_and_vsock_sockets_are_refused(level_box, problems):
+    attack = """
+    import socket
+    ok = False
+    for family in (16, 40):                                     # AF_NETLINK, AF_VSOCK
+        try:
+            socket.socket(family, socket.SOCK_RAW if family == 16 else socket.SOCK_STREAM).close()
+            ok = True
+        except OSError:
+            pass
+    """
+    assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "failed"
+
+
+KEYCTL = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ADD_KEY, REQUEST_KEY, KEYCTL = 248, 249, 250                    # x86_64
+KEY_SPEC_USER_KEYRING, KEY_SPEC_SESSION_KEYRING = -4, -3
+"""
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_keyrings_do_not_carry_between_samples(level, problems):
+    """One worker slot, so both samples run under the same uid (as with --workers 1)."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the attack uses x86_64 syscall numbers")
+    store = KEYCTL + """
+payload = b"evalrun-secret"
+kid = libc.syscall(ADD_KEY, b"user", b"evalrun-probe", payload, len(payload), KEY_SPEC_USER_KEYRING)
+ok = kid > 0
+"""
+    find = KEYCTL + """
+kid = libc.syscall(REQUEST_KEY, b"user", b"evalrun-probe", None, 0)
+ok = kid > 0
+"""
+    problem = problems["HumanEval/0"]
+    box = open_sandbox(level, limits=FAST, workers=1)
+    try:
+        first = box.run(he_spec(problem, _when(store)))
+        second = box.run(he_spec(problem, _when(find)))
+    finally:
+        box.close()
+    assert first.status == "failed" and second.status == "failed", (first, second)
+
+
+def test_the_filter_is_what_refuses(level_box, problems):
+    """Control: the same probe for an allowed family (AF_INET socket creation, not connecting)
+    does pass, so `failed` above comes from the filter, not from a broken attack."""
+    attack = """
+    import socket
+    ok = False
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+        ok = True
+    except OSError:
+        pass
+    """
+    assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "passed"
