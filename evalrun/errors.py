@@ -21,11 +21,11 @@ class NonFiniteLogits(RunFailed):
 
 
 _WRITE_HINTS = {
-    errno.ENOSPC: "free some space and run the same command again: it resumes from the rows already stored",
-    errno.EDQUOT: "free some of the quota and run the same command again: it resumes from the rows already stored",
-    errno.EROFS: "give an --output-dir on a writable file system",
-    errno.EACCES: "give an --output-dir this user may write to",
-    errno.EPERM: "give an --output-dir this user may write to",
+    errno.ENOSPC: "free some space and run the same command again (a run resumes from the rows it stored)",
+    errno.EDQUOT: "free some of the quota and run the same command again (a run resumes from the rows it stored)",
+    errno.EROFS: "that file system is read-only: for a run, give an --output-dir on a writable one",
+    errno.EACCES: "check the permissions of that path (for a run: an --output-dir this user may write to)",
+    errno.EPERM: "check the permissions of that path (for a run: an --output-dir this user may write to)",
 }
 
 
@@ -40,7 +40,6 @@ def as_bad_input(exc: BaseException) -> Optional[BadInput]:
                    ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)
     if isinstance(exc, user_errors):
         return BadInput(str(exc))
-    if isinstance(exc, OSError) and exc.errno in _WRITE_HINTS:
-        where = f"{exc.filename}: " if exc.filename else ""
-        return BadInput(f"{where}{exc.strerror or os.strerror(exc.errno)}; {_WRITE_HINTS[exc.errno]}")
+    if isinstance(exc, OSError) and exc.errno in _WRITE_HINTS and exc.filename:    # a file the user can act on
+        return BadInput(f"{exc.filename}: {exc.strerror or os.strerror(exc.errno)}; {_WRITE_HINTS[exc.errno]}")
     return None

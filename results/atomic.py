@@ -48,14 +48,23 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None],
             before_publish(tmp)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.filename is None:                      # name the file the user can act on
+        _remove_quietly(tmp)
+        if exc.filename is None and exc.errno is not None:     # name the file the user can act on
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove_quietly(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def _remove_quietly(path: Path) -> None:
+    """Remove a temp file on the way out of a failed write; a second error (the file system went
+    read-only) must not replace the first."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _json_default(value: Any) -> Any:

@@ -13,6 +13,7 @@ The leading "_" keeps pyarrow.dataset from listing the index as data.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -61,7 +62,12 @@ def record(samples_dir: Path, part: str, sha256: str) -> None:
                 line = "\n" + line
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, line.encode())
+        data = line.encode()
+        while data:                                   # a short write (full disk) must not pass as done
+            written = os.write(fd, data)
+            if written <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            data = data[written:]
         os.fsync(fd)
     finally:
         os.close(fd)

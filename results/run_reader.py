@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import pandas as pd
 
+from results import checksums
 from results.errors import NotARunDirError, RunDirBusyError, RunReadError
 from results.parts import list_parts, merge_tables, merged_parts_of, read_part
 from results.schema import MANIFEST_FILE, SAMPLES_DIR, SAMPLES_FILE
@@ -49,10 +50,10 @@ def load_finished_run(run_dir: str | Path) -> RunData:
     if manifest.get("status") != "finalized":
         raise RunReadError(f"{path}: the run has not finished (status {manifest.get('status')!r}: it was "
                            "stopped or is being resumed); rerun its command to finish it, then compare")
-    return RunData(path, manifest, _read_rows(path, manifest["key_columns"]))
+    return RunData(path, manifest, _read_rows(path, manifest["key_columns"], manifest))
 
 
-def _read_rows(path: Path, key_columns: list[str]) -> pd.DataFrame:
+def _read_rows(path: Path, key_columns: list[str], manifest: dict[str, Any]) -> pd.DataFrame:
     """samples.parquet plus any part not merged into it; a torn file is an error here, not a skip."""
     samples = path / SAMPLES_FILE
     if not samples.is_file():
@@ -61,13 +62,18 @@ def _read_rows(path: Path, key_columns: list[str]) -> pd.DataFrame:
     base = read_part(samples) if merged is not None else None
     if base is None:
         raise RunReadError(f"{path}: {SAMPLES_FILE} is torn or unreadable")
+    recorded = manifest.get("samples_sha256")
+    if recorded is not None and checksums.sha256_file(samples) != recorded:
+        raise RunReadError(f"{path}: {SAMPLES_FILE} does not match the hash in its manifest (damaged since it "
+                           "was written): rerun the run's command to rebuild it from its parts")
     tables = [base]
+    index = checksums.load_index(path / SAMPLES_DIR)
     for part in list_parts(path / SAMPLES_DIR):
         if part.name in set(merged):
             continue
-        table = read_part(part)
+        table = read_part(part) if checksums.part_ok(part, index) else None
         if table is None:
-            raise RunReadError(f"{path}: sample part {SAMPLES_DIR}/{part.name} is torn or unreadable")
+            raise RunReadError(f"{path}: sample part {SAMPLES_DIR}/{part.name} is torn, unreadable or damaged")
         tables.append(table)
     missing = [c for c in key_columns if c not in base.column_names]
     if missing:

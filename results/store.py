@@ -263,11 +263,11 @@ def _collect(run_dir: Path, on_torn: Callable[[Path], None], samples_sha256: Opt
     covered: list[str] = []
     if samples_file.exists():
         intact = samples_sha256 is None or _hash_matches(samples_file, samples_sha256)
-        base = read_part(samples_file) if recorded is not None and intact else None
-        if base is not None:
+        base = read_part(samples_file) if intact else None
+        if base is not None and recorded is not None:
             tables.append(base)
             covered = list(recorded)
-        else:
+        elif not (base is not None and recorded is None):    # readable, from before merged-part names: unused
             why = "its bytes do not match the manifest's samples_sha256" if not intact else "unreadable or truncated"
             warnings.warn(f"{samples_file} is damaged ({why}): its rows are read from the sample parts, "
                           "and it is rebuilt from them when the run is finalized")

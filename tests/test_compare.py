@@ -232,7 +232,7 @@ def test_a_run_in_progress_is_refused(tmp_path, capsys):
     ("no_manifest", "no manifest.json"),
     ("corrupt_manifest", "corrupt manifest"),
     ("torn_samples", "samples.parquet is torn"),
-    ("torn_part", "is torn or unreadable"),
+    ("torn_part", "is torn, unreadable or damaged"),
     ("missing_samples", "samples.parquet is missing"),
 ])
 def test_damaged_runs_are_named_with_the_problem(tmp_path, capsys, damage, needle):

@@ -83,10 +83,11 @@ SCRIPT = textwrap.dedent('''
     completion = sys.argv[2]
     spec = CheckSpec(program=problem["prompt"] + completion, check_source=problem["prompt"] + "\\n" + problem["test"],
                      entry_point=problem["entry_point"])
-    with Sandbox(SandboxLimits(timeout=20.0), workers=1, isolation="basic") as box:
+    with Sandbox(SandboxLimits(timeout=20.0), workers=3, isolation="basic") as box:
         result = box.run(spec)
         info = box.isolation_info()
     print(json.dumps({"status": result.status, "error": result.error, "uid_dropped": info["uid_dropped"],
+                      "workers": info["workers"],
                       "harness_non_dumpable": info["harness_non_dumpable"]}))
 ''')
 
@@ -110,6 +111,7 @@ def test_same_uid_worker_cannot_forge_a_pass_through_proc(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["uid_dropped"] is False and report["harness_non_dumpable"] is True   # the same-uid case
+    assert report["workers"] == 1            # asked for 3: same uid, no PID namespace, so one at a time
     # contained: the checker is killed (same uid), so no verdict: "error"; never "passed" (before
     # the fix this attack made it "passed": the nonce was read from the harness's memory)
     assert report["status"] in ("failed", "error"), report

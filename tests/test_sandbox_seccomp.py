@@ -120,3 +120,22 @@ def test_the_filter_is_what_refuses(level_box, problems):
         pass
     """
     assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "passed"
+
+
+def test_high_bits_in_the_family_do_not_dodge_the_filter(level_box, problems):
+    """The kernel reads socket()'s family as a 32-bit int: 0x1_0000_0001 is AF_UNIX to it, so the
+    rule must compare the low 32 bits only (a plain 64-bit compare let this through)."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("raw x86_64 syscall numbers")
+    attack = """
+    import ctypes, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    ok = False
+    for family in (0x100000001, 0x100000010, 0xFFFFFFFF00000001):
+        fd = libc.syscall(41, ctypes.c_long(family), socket.SOCK_STREAM, 0)     # socket(2)
+        ok = ok or fd >= 0
+    fd = libc.syscall(425, 8, ctypes.create_string_buffer(120))                 # io_uring_setup(2)
+    ok = ok or fd >= 0
+    """
+    assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "failed"

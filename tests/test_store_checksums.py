@@ -142,3 +142,19 @@ def test_evalrun_rebuilds_a_truncated_samples_file_of_a_finished_run(tiny_model_
     assert "nothing to run" in capsys.readouterr().err
     assert samples_file_intact(tmp_path / "run")
     pd.testing.assert_frame_equal(pd.read_parquet(samples), before)
+
+
+def test_compare_refuses_a_damaged_samples_file(tmp_path):
+    from results.errors import RunReadError
+    from results.run_reader import load_finished_run
+    run = tmp_path / "run"
+    with RunStore.open(run, MANIFEST, KEYS, flush_rows=4) as store:
+        for row in _rows(10):
+            store.add(row)
+        store.finalize()
+    assert len(load_finished_run(run).rows) == 10
+    data = bytearray((run / SAMPLES_FILE).read_bytes())
+    data[len(data) // 2] ^= 0x04
+    (run / SAMPLES_FILE).write_bytes(bytes(data))
+    with pytest.raises(RunReadError, match="does not match the hash"):
+        load_finished_run(run)

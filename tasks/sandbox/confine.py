@@ -213,10 +213,12 @@ def switch_user(uid: int, keep_dac_read: bool) -> None:
 
 # --- seccomp (libseccomp through ctypes) ------------------------------------------------------
 _SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_CMP_EQ = 4
+_SCMP_CMP_MASKED_EQ = 7           # (arg & datum_a) == datum_b: the kernel reads socket()'s family as a
+                                  # 32-bit int, so high bits set by a raw syscall must not dodge the rule
 AF_UNIX, AF_NETLINK, AF_VSOCK = 1, 16, 40
 DENIED_SOCKET_FAMILIES = {"AF_UNIX": AF_UNIX, "AF_NETLINK": AF_NETLINK, "AF_VSOCK": AF_VSOCK}
-DENIED_SYSCALLS = ("add_key", "keyctl", "request_key")      # kernel keyrings outlive a sample
+DENIED_SYSCALLS = ("add_key", "keyctl", "request_key",      # kernel keyrings outlive a sample
+                   "io_uring_setup", "io_uring_enter", "io_uring_register")   # sockets without socket()
 
 
 class _ArgCmp(ctypes.Structure):
@@ -232,7 +234,8 @@ def deny_syscalls() -> list[str]:
     """Load a seccomp filter (after PR_SET_NO_NEW_PRIVS) that fails with EPERM: socket() for
     AF_UNIX, AF_NETLINK and AF_VSOCK (seccomp cannot see connect()'s address, so the family is
     refused at creation: a host's Unix sockets stay unreachable even through a read-only mount),
-    and the kernel keyring calls (a key stored by one sample would be read by the next).
+    the kernel keyring calls (a key stored by one sample would be read by the next), and io_uring
+    (its IORING_OP_SOCKET/CONNECT make sockets without socket()).
     Syscalls of another ABI (int 0x80) kill the process (libseccomp's default). Returns what is
     denied; OSError when libseccomp is missing or the filter cannot be loaded."""
     try:
@@ -253,7 +256,7 @@ def deny_syscalls() -> list[str]:
         denied = []
         socket_nr = lib.seccomp_syscall_resolve_name(b"socket")
         for name, family in DENIED_SOCKET_FAMILIES.items():
-            cmp = (_ArgCmp * 1)(_ArgCmp(0, _SCMP_CMP_EQ, family, 0))
+            cmp = (_ArgCmp * 1)(_ArgCmp(0, _SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, family))
             rc = lib.seccomp_rule_add_array(ctypes.c_void_p(ctx), _act_errno(1), socket_nr, 1, cmp)
             if rc != 0:
                 raise OSError(-rc, f"seccomp rule socket({name}): {os.strerror(-rc)}")

@@ -60,6 +60,11 @@ class Sandbox:
             raise
         if not self._iso.drops_uid:
             self._release_uids()
+        self._one_at_a_time = self._iso.level == "basic" and not self._iso.drops_uid and workers > 1
+        if self._one_at_a_time:
+            # Same uid as us and no PID namespace: a worker could open another check's worker and
+            # checker through /proc and answer for them. One check at a time leaves only its own.
+            workers = self.workers = 1
         self._uids: tuple[int, ...] = tuple(self._lease.uids) if self._lease else ()
         self._slots: queue.SimpleQueue[Optional[int]] = queue.SimpleQueue()
         for i in range(workers):
@@ -75,6 +80,11 @@ class Sandbox:
         info = copy.deepcopy(self._iso.info)
         info["sandbox_uids"] = list(self._uids)
         info["harness_non_dumpable"] = info["checker_non_dumpable"] = True   # before any program runs
+        info["workers"] = self.workers
+        if self._one_at_a_time:
+            info["notes"] = list(info.get("notes", [])) + [
+                "checks run one at a time: at the basic level without root every worker has the harness's "
+                "uid and no PID namespace, so concurrent workers could reach each other's checks via /proc"]
         return info
 
     def run(self, spec: CheckSpec) -> ExecResult:
