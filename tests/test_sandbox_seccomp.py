@@ -8,12 +8,25 @@ A sample "passes" here only if its attack worked: the completion returns the rig
 HumanEval/0 exactly when it reached the socket or found the key, so `passed` would reveal a hole."""
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import textwrap
 
 import pytest
 from sandbox_helpers import FAST, LEVELS, he_spec, open_sandbox
+
+def _libseccomp_here() -> bool:
+    try:
+        ctypes.CDLL("libseccomp.so.2")
+        return True
+    except OSError:
+        return False
+
+
+# Where libseccomp is missing the sandbox runs without the filter and says so in isolation_info
+# (notes); these attacks then succeed, so there is nothing to test.
+pytestmark = pytest.mark.skipif(not _libseccomp_here(), reason="libseccomp.so.2 is not installed")
 
 CORRECT = """\
     for i, a in enumerate(numbers):
