@@ -82,12 +82,7 @@ def start_index(samples_dir: Path) -> None:
         os.close(fd)
 
 
-def part_ok(path: Path, index: Optional[dict[str, str]]) -> bool:
-    """Whether a part's bytes are those recorded (always True for a run without an index)."""
-    if index is None:
-        return True
-    expected = index.get(path.name)
-    try:
-        return expected is not None and sha256_file(path) == expected
-    except OSError:
-        return False
+def recorded_hash(index: Optional[dict[str, str]], part: str) -> Optional[str]:
+    """What a part must hash to (for parts.read_part): None for a run without an index (read
+    unverified); "" (which no file hashes to) for a part the index does not list."""
+    return None if index is None else index.get(part, "")

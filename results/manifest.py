@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from results.atomic import atomic_write_json
+from results.checksums import sha256_file
 from results.schema import MANIFEST_FILE, ModelFingerprint, Throughput
 
 MODEL_FILES = ("config.json",)
@@ -32,14 +33,6 @@ TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"     # every timestamp in a run directory, e.g
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime(TIME_FORMAT)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _sample_sha256(path: Path) -> str:
@@ -79,11 +72,11 @@ def fingerprint_model_dir(path: str | Path) -> ModelFingerprint:
         index = None
     else:
         files = {
-            name: (_sha256_file(path / name) if (path / name).is_file() else None)
+            name: (sha256_file(path / name) if (path / name).is_file() else None)
             for name in MODEL_FILES + TOKENIZER_FILES
         }
         indexes = sorted(path.glob("*.index.json"))
-        index = {"name": indexes[0].name, "sha256": _sha256_file(indexes[0])} if indexes else None
+        index = {"name": indexes[0].name, "sha256": sha256_file(indexes[0])} if indexes else None
         weights = [
             _weight_entry(p) for p in sorted(path.iterdir()) if p.is_file() and p.suffix in WEIGHT_SUFFIXES
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -44,10 +45,18 @@ def remove_stale_temps(samples_dir: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def read_part(path: Path, columns: Optional[Sequence[str]] = None) -> Optional[pa.Table]:
-    """The part's table, or None when it is torn or unreadable."""
+def read_part(path: Path, columns: Optional[Sequence[str]] = None,
+              sha256: Optional[str] = None) -> Optional[pa.Table]:
+    """The part's table, or None when it is torn or unreadable, or (sha256 given) its bytes are
+    not the ones recorded; the hash is taken over the same bytes that are parsed."""
+    cols = list(columns) if columns is not None else None
     try:
-        return pq.read_table(path, columns=list(columns) if columns is not None else None)
+        if sha256 is None:
+            return pq.read_table(path, columns=cols)
+        data = Path(path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            return None
+        return pq.read_table(pa.BufferReader(data), columns=cols)
     except READ_ERRORS:
         return None
 

@@ -15,9 +15,9 @@ import pandas as pd
 
 from results import checksums
 from results.errors import NotARunDirError, RunDirBusyError, RunReadError
-from results.parts import list_parts, merge_tables, merged_parts_of, read_part
+from results.parts import list_parts, merge_tables, read_part
 from results.schema import MANIFEST_FILE, SAMPLES_DIR, SAMPLES_FILE
-from results.store import inspect_run
+from results.store import inspect_run, read_samples_file
 
 
 @dataclass(frozen=True)
@@ -58,20 +58,17 @@ def _read_rows(path: Path, key_columns: list[str], manifest: dict[str, Any]) -> 
     samples = path / SAMPLES_FILE
     if not samples.is_file():
         raise RunReadError(f"{path}: {SAMPLES_FILE} is missing from a finished run")
-    merged = merged_parts_of(samples)
-    base = read_part(samples) if merged is not None else None
+    base, merged, problem = read_samples_file(path, manifest.get("samples_sha256"))
     if base is None:
-        raise RunReadError(f"{path}: {SAMPLES_FILE} is torn or unreadable")
-    recorded = manifest.get("samples_sha256")
-    if recorded is not None and checksums.sha256_file(samples) != recorded:
-        raise RunReadError(f"{path}: {SAMPLES_FILE} does not match the hash in its manifest (damaged since it "
-                           "was written): rerun the run's command to rebuild it from its parts")
+        why = problem or "written before its merged parts were recorded"
+        raise RunReadError(f"{path}: {SAMPLES_FILE} is torn or damaged ({why}): rerun the run's command to "
+                           "rebuild it from its parts")
     tables = [base]
     index = checksums.load_index(path / SAMPLES_DIR)
     for part in list_parts(path / SAMPLES_DIR):
         if part.name in set(merged):
             continue
-        table = read_part(part) if checksums.part_ok(part, index) else None
+        table = read_part(part, sha256=checksums.recorded_hash(index, part.name))
         if table is None:
             raise RunReadError(f"{path}: sample part {SAMPLES_DIR}/{part.name} is torn, unreadable or damaged")
         tables.append(table)

@@ -257,26 +257,17 @@ def _collect(run_dir: Path, on_torn: Callable[[Path], None], samples_sha256: Opt
     hash to `samples_sha256` (when given); otherwise it is rebuilt from the parts, with a warning.
     A part that is torn, or whose bytes do not hash to its line in _checksums.jsonl, goes to
     `on_torn` and is not read, as does one without the `key_columns` (not a part of this run)."""
-    samples_file = run_dir / SAMPLES_FILE
-    recorded = merged_parts_of(samples_file) if samples_file.exists() else None
-    tables: list[pa.Table] = []
-    covered: list[str] = []
-    if samples_file.exists():
-        intact = samples_sha256 is None or _hash_matches(samples_file, samples_sha256)
-        base = read_part(samples_file) if intact else None
-        if base is not None and recorded is not None:
-            tables.append(base)
-            covered = list(recorded)
-        elif not (base is not None and recorded is None):    # readable, from before merged-part names: unused
-            why = "its bytes do not match the manifest's samples_sha256" if not intact else "unreadable or truncated"
-            warnings.warn(f"{samples_file} is damaged ({why}): its rows are read from the sample parts, "
-                          "and it is rebuilt from them when the run is finalized")
+    base, covered, problem = read_samples_file(run_dir, samples_sha256)
+    if problem is not None:
+        warnings.warn(f"{run_dir / SAMPLES_FILE} is damaged ({problem}): its rows are read from the sample "
+                      "parts, and it is rebuilt from them when the run is finalized")
+    tables: list[pa.Table] = [] if base is None else [base]
     merged_names = set(covered)
     index = checksums.load_index(run_dir / SAMPLES_DIR)
     for path in list_parts(run_dir / SAMPLES_DIR):
         if path.name in merged_names:
             continue
-        table = read_part(path) if checksums.part_ok(path, index) else None
+        table = read_part(path, sha256=checksums.recorded_hash(index, path.name))
         if table is None or not _has_columns(table, key_columns):
             on_torn(path)
             continue
@@ -285,28 +276,33 @@ def _collect(run_dir: Path, on_torn: Callable[[Path], None], samples_sha256: Opt
     return tables, covered
 
 
+def read_samples_file(run_dir: Path, sha256: Optional[str]) -> tuple[Optional[pa.Table], list[str], Optional[str]]:
+    """samples.parquet as (table, the part names merged into it, None), or (None, [], why it cannot
+    be used): torn or unreadable, or not the bytes `sha256` records. Absent, or from before
+    merged-part names were recorded: (None, [], None), the parts hold the rows."""
+    path = Path(run_dir) / SAMPLES_FILE
+    if not path.exists():
+        return None, [], None
+    table = read_part(path, sha256=sha256)
+    if table is None:
+        readable = sha256 is not None and read_part(path) is not None
+        return None, [], "its bytes do not match the hash in its manifest" if readable else "unreadable or truncated"
+    merged = merged_parts_of(path)
+    return (None, [], None) if merged is None else (table, list(merged), None)
+
+
 def samples_file_intact(run_dir: str | Path) -> bool:
     """Whether the run's samples.parquet is there, readable, and (when the manifest records its
     hash) byte for byte what was written."""
     run_dir = Path(run_dir)
-    path = run_dir / SAMPLES_FILE
-    if merged_parts_of(path) is None or read_part(path) is None:
-        return False
     recorded = read_manifest(run_dir).get("samples_sha256") if (run_dir / MANIFEST_FILE).is_file() else None
-    return recorded is None or _hash_matches(path, recorded)
+    return read_samples_file(run_dir, recorded)[0] is not None
 
 
 def _has_columns(table: pa.Table, columns: Sequence[str]) -> bool:
     try:
         return set(columns) <= set(table.column_names)
     except (UnicodeDecodeError, ValueError):         # a garbled schema (a run from before checksums)
-        return False
-
-
-def _hash_matches(path: Path, sha256: str) -> bool:
-    try:
-        return checksums.sha256_file(path) == sha256
-    except OSError:
         return False
 
 

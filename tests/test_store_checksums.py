@@ -32,6 +32,15 @@ def _one_part_run(run_dir: Path, n: int = 6) -> Path:
     return part
 
 
+def _finished_run(run_dir: Path, n: int = 10) -> Path:
+    """A finalized run of n rows in parts of 4."""
+    with RunStore.open(run_dir, MANIFEST, KEYS, flush_rows=4) as store:
+        for row in _rows(n):
+            store.add(row)
+        store.finalize()
+    return run_dir
+
+
 def test_every_part_has_its_hash_recorded_before_it_is_published(tmp_path):
     run = tmp_path / "run"
     with RunStore.open(run, MANIFEST, KEYS, flush_rows=2) as store:
@@ -92,11 +101,7 @@ def test_a_resume_quarantines_a_damaged_part_and_redoes_its_rows(tmp_path):
 
 
 def test_a_truncated_samples_file_is_found_and_rebuilt_from_the_parts(tmp_path):
-    run = tmp_path / "run"
-    with RunStore.open(run, MANIFEST, KEYS, flush_rows=4) as store:
-        for row in _rows(10):
-            store.add(row)
-        store.finalize()
+    run = _finished_run(tmp_path / "run")
     assert samples_file_intact(run) and read_manifest(run)["samples_sha256"] == sha256_file(run / SAMPLES_FILE)
     expected = read_samples(run)
     full = (run / SAMPLES_FILE).read_bytes()
@@ -147,14 +152,10 @@ def test_evalrun_rebuilds_a_truncated_samples_file_of_a_finished_run(tiny_model_
 def test_compare_refuses_a_damaged_samples_file(tmp_path):
     from results.errors import RunReadError
     from results.run_reader import load_finished_run
-    run = tmp_path / "run"
-    with RunStore.open(run, MANIFEST, KEYS, flush_rows=4) as store:
-        for row in _rows(10):
-            store.add(row)
-        store.finalize()
+    run = _finished_run(tmp_path / "run")
     assert len(load_finished_run(run).rows) == 10
     data = bytearray((run / SAMPLES_FILE).read_bytes())
     data[len(data) // 2] ^= 0x04
     (run / SAMPLES_FILE).write_bytes(bytes(data))
-    with pytest.raises(RunReadError, match="does not match the hash"):
+    with pytest.raises(RunReadError, match="do not match the hash in its manifest"):
         load_finished_run(run)
