@@ -109,9 +109,10 @@ class DynamicGenerator:
         return results
 
     def _sample(self, sampled: list[ScheduledChunk], logits: torch.Tensor) -> list[GeneratorResult]:
-        logits_cpu = logits.cpu() if any(ch.job.return_logits for ch in sampled) else None   # as computed
-        logits = _mark_nonfinite([ch.job for ch in sampled], logits)
-        samples = _sample_rows([ch.job for ch in sampled], logits)
+        jobs = [ch.job for ch in sampled]
+        logits_cpu = logits.cpu() if any(job.return_logits for job in jobs) else None   # as computed
+        logits = _mark_nonfinite(jobs, logits)
+        samples = _sample_rows(jobs, logits)
         results = []
         for row, (ch, smp) in enumerate(zip(sampled, samples)):
             job = ch.job
@@ -185,9 +186,9 @@ def _mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tenso
     here, where torch.isfinite(...).all() took 3.3 ms); a non-finite sum is checked row by row."""
     if math.isfinite(float(logits.sum())):
         return logits
-    if bool(torch.isfinite(logits).all()):      # finite rows whose sum overflowed
-        return logits
     bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+    if not bad:                                 # finite rows whose sum overflowed
+        return logits
     logits = logits.clone()
     big = torch.finfo(logits.dtype).max
     for i in bad:

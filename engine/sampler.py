@@ -191,7 +191,7 @@ def sample(
     penalised logits (lowest id on ties) and draws nothing; otherwise exactly
     one float64 `torch.rand(1, generator=generator)` draw is used, by inverse CDF.
     """
-    logits = ban_tokens(logits, banned_tokens)
+    logits = _ban(logits, banned_tokens)
     if s.needs_history:
         if history is None:
             raise ValueError("these sampler settings use penalties, so sample() needs the token history")
@@ -207,7 +207,7 @@ def sample(
     return SampleResult(token=token, prob=float(probs[token]), probs=probs)
 
 
-def ban_tokens(logits: Tensor, banned_tokens: Sequence[int]) -> Tensor:
+def _ban(logits: Tensor, banned_tokens: Sequence[int]) -> Tensor:
     if len(banned_tokens) == 0:
         return logits
     vocab = logits.shape[-1]

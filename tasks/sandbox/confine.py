@@ -10,6 +10,7 @@ nothing at import time.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import re
@@ -249,27 +250,22 @@ def deny_syscalls() -> list[str]:
                                            ctypes.POINTER(_ArgCmp)]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    rules = [(f"socket({name})", "socket", [_ArgCmp(0, _SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, family)])
+             for name, family in DENIED_SOCKET_FAMILIES.items()]
+    rules += [(name, name, []) for name in DENIED_SYSCALLS]
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
     if not ctx:
         raise OSError("seccomp_init failed")
     try:
-        denied = []
-        socket_nr = lib.seccomp_syscall_resolve_name(b"socket")
-        for name, family in DENIED_SOCKET_FAMILIES.items():
-            cmp = (_ArgCmp * 1)(_ArgCmp(0, _SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, family))
-            rc = lib.seccomp_rule_add_array(ctypes.c_void_p(ctx), _act_errno(1), socket_nr, 1, cmp)
+        for label, syscall, args in rules:
+            nr = lib.seccomp_syscall_resolve_name(syscall.encode())
+            rc = lib.seccomp_rule_add_array(ctx, _act_errno(errno.EPERM), nr, len(args),
+                                            (_ArgCmp * len(args))(*args) if args else None)
             if rc != 0:
-                raise OSError(-rc, f"seccomp rule socket({name}): {os.strerror(-rc)}")
-            denied.append(f"socket({name})")
-        for name in DENIED_SYSCALLS:
-            nr = lib.seccomp_syscall_resolve_name(name.encode())
-            rc = lib.seccomp_rule_add_array(ctypes.c_void_p(ctx), _act_errno(1), nr, 0, None)
-            if rc != 0:
-                raise OSError(-rc, f"seccomp rule {name}: {os.strerror(-rc)}")
-            denied.append(name)
-        rc = lib.seccomp_load(ctypes.c_void_p(ctx))
+                raise OSError(-rc, f"seccomp rule {label}: {os.strerror(-rc)}")
+        rc = lib.seccomp_load(ctx)
         if rc != 0:
             raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
-        return denied
+        return [label for label, _, _ in rules]
     finally:
-        lib.seccomp_release(ctypes.c_void_p(ctx))
+        lib.seccomp_release(ctx)
