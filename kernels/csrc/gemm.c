@@ -35,8 +35,7 @@
 #include "pool.h"
 
 #define PW 16                       /* columns per panel */
-#define GROUP 4                     /* panels a tile pass covers */
-#define A_BLOCK_BYTES (192 * 1024)  /* rows of x kept hot while a panel group streams */
+#define A_BLOCK_BYTES (192 * 1024)  /* rows of x kept hot while the panels stream */
 #define MAX_BLOCK_ROWS 120          /* and at most this many (a multiple of 6) */
 #define MAX_TILES (MAX_BLOCK_ROWS / 6 + 1)
 
@@ -217,14 +216,15 @@ static void tile_1x4(const Gemm *g, int i0, int p0, int prefetch) {
     epilogue(g, i0, 1, p0, 4, out);
 }
 
-/* Rows [i, i + R), R <= 5 (the rows left after the 6-row tiles of a block), over panels
- * [p, p + n): one row four panels at a time, two rows three at a time, else one panel at a time. */
-static void tail_span(const Gemm *g, int i, int R, int p, int n, int pe) {
-    if (R == 1)
-        for (; n >= 4; n -= 4, p += 4) tile_1x4(g, i, p, p + 8 <= pe);
-    else if (R == 2)
-        for (; n >= 3; n -= 3, p += 3) tile_2x3(g, i, 2, p);
-    for (; n > 0; n--, p++) tile_rows(g, i, R, p);
+/* One or two rows (a memory-bound decode step) over panels [pb, pe): one row four panels at a
+ * time, two rows three at a time (8-12 chains per tile), the panels left one at a time. */
+static void few_rows(const Gemm *g, int pb, int pe) {
+    int p = pb;
+    if (g->M == 1)
+        for (; p + 4 <= pe; p += 4) tile_1x4(g, 0, p, p + 8 <= pe);
+    else
+        for (; p + 3 <= pe; p += 3) tile_2x3(g, 0, 2, p);
+    for (; p < pe; p++) tile_rows(g, 0, g->M, p);
 }
 
 /* Thread tid's share: a contiguous range of panels, all rows. One or two rows (a memory-bound
@@ -235,12 +235,12 @@ static void tail_span(const Gemm *g, int i, int R, int p, int n, int pe) {
  * step the weights stream from memory). */
 static void run_part(void *ctx, int tid, int nth) {
     const Gemm *g = (const Gemm *)ctx;
-    /* an even split of the panels (whole groups would leave 4 against 5 of 9) */
+    /* an even split of the panels */
     const int pb = (int)((int64_t)g->np * tid / nth), pe = (int)((int64_t)g->np * (tid + 1) / nth);
     if (pb >= pe) return;
     const int K = g->K;
     if (g->M <= 2) {
-        for (int p = pb; p < pe; p += GROUP) tail_span(g, 0, g->M, p, p + GROUP <= pe ? GROUP : pe - p, pe);
+        few_rows(g, pb, pe);
         return;
     }
     const int64_t ps = (int64_t)K * PW;
