@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,13 +35,7 @@ def _poisoned_copy(src: Path, dst: Path, edit) -> Path:
 
 
 def test_mark_nonfinite_counts_rows_and_gives_the_sampler_finite_ones():
-    class _Job:
-        class state:          # noqa: N801 - a stand-in for JobState
-            nonfinite_logits = 0
-
-    jobs = [_Job(), _Job(), _Job(), _Job()]
-    for j in jobs:
-        j.state = type("S", (), {"nonfinite_logits": 0})()
+    jobs = [SimpleNamespace(state=SimpleNamespace(nonfinite_logits=0)) for _ in range(4)]   # stand-ins for jobs
     logits = torch.tensor([[1.0, 2.0, 3.0], [float("nan"), 5.0, 1.0], [0.0, float("inf"), 1.0],
                            [float("nan")] * 3])
     finite = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
