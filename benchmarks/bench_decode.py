@@ -40,16 +40,18 @@ import argparse
 import gzip
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, ratio,
-                               run_vllm_runner, timed, write_result)
+from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, ratio, timed,
+                               vllm_runner_command, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
+from benchmarks.paired import OtherCpu, PairedPeer, PeerError
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_decode"
@@ -74,10 +76,23 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
                         help="our jobs without EOS banned (no stop tokens: EOS may be sampled and generation "
                              "goes on); default: EOS banned for the T tokens, as transformers' min_new_tokens "
                              "and vLLM's min_tokens do")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timed rounds of ours (and vLLM's, paired with ours, ABBA order); figures are "
+                             "medians, the vLLM ratio the median of the rounds' ratios (default 3)")
     parser.add_argument("--curve", type=row_counts, default=None, metavar="R1,R2,..",
                         help="ours only: decode throughput at each number of rows (e.g. 1,8,32,64,128,256)")
     parser.add_argument("--curve-prompt-tokens", type=int, default=128, help="prompt length per row in --curve")
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def row_counts(text: str) -> list[int]:
@@ -168,15 +183,6 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: i
     out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
                          min_new_tokens=new_tokens, max_new_tokens=new_tokens)       # [B, L + T]
     return out[:, width:].tolist()
-
-
-# --- vLLM (another venv) -------------------------------------------------------------
-def run_vllm(args: Any, model_dir: Path, prompts: list[list[int]]) -> dict[str, Any]:
-    """benchmarks/vllm_decode_runner.py under --vllm-python, on the same ids, all cores bound
-    (VLLM_CPU_OMP_THREADS_BIND=0-N unless set). Its timing excludes engine start-up."""
-    extra = ["--no-min-tokens"] if args.vllm_no_min_tokens else []
-    return run_vllm_runner(args.vllm_python, "vllm_decode_runner.py", model_dir, args.dtype,
-                           {"prompts": prompts, "new_tokens": args.new_tokens}, *extra)
 
 
 # --- token identity ------------------------------------------------------------------
@@ -322,40 +328,92 @@ def report_curve(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> None:
 
 # --- side by side: ours, transformers, vLLM ----------------------------------------------
 def run_compare(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Every side on the same ids, then token identity; prints raw times as they come."""
+    """Every side on the same ids, then token identity; prints raw times as they come. Ours and
+    vLLM run --rounds paired rounds (benchmarks/paired.py); transformers runs once, after them."""
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.n)]
     result: dict[str, Any] = {"prompts": args.n, "prompt_tokens": sum(map(len, prompts)),
                               "new_tokens_per_prompt": args.new_tokens, "new_tokens": args.n * args.new_tokens}
     print(f"decode: {args.n} HumanEval prompts ({result['prompt_tokens']} prompt tokens) x {args.new_tokens} new "
-          f"tokens = {result['new_tokens']} new tokens, greedy, dtype {args.dtype}")
+          f"tokens = {result['new_tokens']} new tokens, greedy, dtype {args.dtype}, {args.rounds} round(s)")
     model = load_ours(args, model_dir, tokenizer)
-    ours = run_ours(args, model, tokenizer, prompts)
-    stats, counts = ours["stats"], [len(c) for c in ours["completions"]]
-    result["ours"] = {"seconds": ours["seconds"], "last_first_token_s": ours["last_first_token_s"],
-                      "stats": dict(stats), "all_jobs_generated_exactly": counts == [args.new_tokens] * args.n}
-    print(f"  ours: {ours['seconds']:.2f} s")
     sides: dict[str, list[list[int]]] = {}
+    v: Optional[dict[str, Any]] = None
+    if args.vllm_python is not None:
+        try:
+            ours, v = rounds_with_vllm(args, model_dir, model, tokenizer, prompts)
+        except (OSError, RuntimeError, ValueError) as e:      # keep going without the peer
+            result["vllm_error"] = str(e)
+            print(f"vLLM run failed: {e}")
+    if v is None:
+        ours = []
+        for r in range(args.rounds):
+            ours.append(timed_ours(args, model, tokenizer, prompts))
+            print(f"  round {r}: ours {ours[-1]['seconds']:.2f} s")
+    first = ours[0]
+    counts = [len(c) for c in first["completions"]]
+    result["ours"] = {"seconds": statistics.median(o["seconds"] for o in ours),
+                      "round_seconds": [o["seconds"] for o in ours],
+                      "rounds_identical": all(o["completions"] == first["completions"] for o in ours),
+                      "last_first_token_s": statistics.median(o["last_first_token_s"] for o in ours),
+                      "stats": dict(first["stats"]), "all_jobs_generated_exactly": counts == [args.new_tokens] * args.n}
+    if v is not None:
+        result["vllm"] = {k: v.get(k) for k in ("vllm_version", "load_seconds", "warmup_seconds", "round_seconds",
+                                                "rounds_identical", "sampling", "settings", "finish_reasons")}
+        result["vllm"]["seconds"] = statistics.median(v["round_seconds"])
+        result["rounds"] = [{"ours_s": o["seconds"], "vllm_s": t, "ratio": t / o["seconds"],
+                             "others_cpu_s_during_ours": o["other_cpu_s"], "steal_s_during_ours": o["steal_s"]}
+                            for o, t in zip(ours, v["round_seconds"])]
+        sides["vllm"] = v["token_ids"]
     if not args.skip_baseline:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         base = run_transformers(args, model_dir, prompts, pad_id)
         result["transformers"], sides["transformers"] = {"seconds": base["seconds"]}, base["completions"]
         print(f"  transformers: {base['seconds']:.2f} s")
-    if args.vllm_python is not None:
-        try:
-            v = run_vllm(args, model_dir, prompts)
-        except (OSError, RuntimeError, ValueError) as e:      # keep the figures measured so far
-            result["vllm_error"] = str(e)
-            print(f"vLLM run failed: {e}")
-        else:
-            result["vllm"] = {k: v.get(k) for k in ("seconds", "vllm_version", "load_seconds", "warmup_seconds",
-                                                    "sampling", "settings", "finish_reasons")}
-            sides["vllm"] = v["token_ids"]
-            print(f"  vLLM {v['vllm_version']}: {v['seconds']:.2f} s (engine start {v['load_seconds']:.1f} s)")
     if sides:
-        result["token_identity"] = compare_sides(args, model, tokenizer, prompts, ours["completions"], sides)
+        result["token_identity"] = compare_sides(args, model, tokenizer, prompts, first["completions"], sides)
         if "transformers" in sides and "vllm" in sides:
             result["vllm_identical_to_transformers"] = sum(a == b for a, b in zip(sides["vllm"], sides["transformers"]))
     return result
+
+
+def timed_ours(args: Any, model: Model, tokenizer: Tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
+    """run_ours, with the CPU other processes (an idle peer included) and the hypervisor took meanwhile."""
+    with OtherCpu() as cpu:
+        run = run_ours(args, model, tokenizer, prompts)
+    run.update(other_cpu_s=cpu.other_s, steal_s=cpu.steal_s)
+    return run
+
+
+def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokenizer,
+                     prompts: list[list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """--rounds paired rounds of ours and vLLM (ABBA: ours first in even rounds), vLLM's engine
+    started once (its prefix cache reset before each round); (our runs, vLLM's output JSON)."""
+    extra = ["--no-min-tokens"] if args.vllm_no_min_tokens else []
+    ours: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps({"prompts": prompts, "new_tokens": args.new_tokens}))
+        cmd, env = vllm_runner_command(args.vllm_python, "vllm_decode_runner.py", model_dir, args.dtype, src, dst,
+                                       *extra)
+        try:
+            with PairedPeer(cmd, env, dst) as peer:
+                print("  vLLM engine started")
+                for r in range(args.rounds):
+                    if r % 2:
+                        theirs = peer.round()
+                        ours.append(timed_ours(args, model, tokenizer, prompts))
+                    else:
+                        ours.append(timed_ours(args, model, tokenizer, prompts))
+                        theirs = peer.round()
+                    o = ours[-1]
+                    print(f"  round {r}: ours {o['seconds']:.2f} s, vLLM {theirs:.2f} s, vLLM / ours "
+                          f"{theirs / o['seconds']:.2f}x (during ours: others' CPU {o['other_cpu_s']:.1f} s, "
+                          f"steal {o['steal_s']:.1f} s)")
+                v = peer.finish()
+        except PeerError as e:
+            raise RuntimeError(str(e)) from None
+    print(f"  vLLM {v['vllm_version']}: engine start {v['load_seconds']:.1f} s (not timed)")
+    return ours, v
 
 
 def report_compare(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> None:
@@ -377,10 +435,16 @@ def report_compare(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> Non
             result[key].update(side_figures(result[key]["seconds"], result, work, roofs))
             result[key]["time_ratio_vs_ours"] = ratio(result[key]["seconds"], o["seconds"])
             print_side(label, result[key], extra)
+    if "rounds" in result:                    # paired rounds: the median of the adjacent pairs' ratios
+        result["vllm"]["time_ratio_vs_ours"] = statistics.median(r["ratio"] for r in result["rounds"])
+        print("vLLM / ours per round: " + ", ".join(f"{r['ratio']:.2f}x" for r in result["rounds"])
+              + f" (ours' rounds token-identical: {o['rounds_identical']}, vLLM's: "
+              f"{result['vllm']['rounds_identical']})")
     for key, out_key, label in (("transformers", "speedup", "transformers"), ("vllm", "speedup_vs_vllm", "vLLM")):
         if key in result:
             result[out_key] = result[key]["time_ratio_vs_ours"]
-            print(f"ratio {label} time / ours: {result[out_key]:.2f}x")
+            how = " (median of the paired rounds' ratios)" if key == "vllm" and "rounds" in result else ""
+            print(f"ratio {label} time / ours: {result[out_key]:.2f}x{how}")
     if "token_identity" in result:
         identity = result["token_identity"]
         if "transformers" in identity:

