@@ -231,12 +231,13 @@ def _act_errno(err: int) -> int:
     return 0x00050000 | (err & 0xFFFF)
 
 
-def deny_syscalls() -> list[str]:
+def deny_syscalls(also: Iterable[str] = ()) -> list[str]:
     """Load a seccomp filter (after PR_SET_NO_NEW_PRIVS) that fails with EPERM: socket() for
     AF_UNIX, AF_NETLINK and AF_VSOCK (seccomp cannot see connect()'s address, so the family is
     refused at creation: a host's Unix sockets stay unreachable even through a read-only mount),
     the kernel keyring calls (a key stored by one sample would be read by the next), and io_uring
-    (its IORING_OP_SOCKET/CONNECT make sockets without socket()).
+    (its IORING_OP_SOCKET/CONNECT make sockets without socket()); and the syscalls named in `also`
+    (memfd_create and shmget where no memory cgroup bounds what they allocate, see memcg.py).
     Syscalls of another ABI (int 0x80) kill the process (libseccomp's default). Returns what is
     denied; OSError when libseccomp is missing or the filter cannot be loaded."""
     try:
@@ -252,7 +253,7 @@ def deny_syscalls() -> list[str]:
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
     rules = [(f"socket({name})", "socket", [_ArgCmp(0, _SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, family)])
              for name, family in DENIED_SOCKET_FAMILIES.items()]
-    rules += [(name, name, []) for name in DENIED_SYSCALLS]
+    rules += [(name, name, []) for name in (*DENIED_SYSCALLS, *also)]
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
     if not ctx:
         raise OSError("seccomp_init failed")

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import procs
-from .isolation import NAMESPACE_WORKDIR, Isolation, launcher_argv, launcher_config, worker_env
+from .isolation import NAMESPACE_WORKDIR, Isolation, check_cgroup, launcher_argv, launcher_config, worker_env
+from .memcg import CheckCgroup
 from .codec import READY
 from .sources import PYTHON_FLAGS, checker_source
 from .spec import CheckSpec, ExecResult, SandboxLimits
@@ -49,6 +50,7 @@ class Outcome:
     aborted: bool = False
     worker_code: Optional[int] = None      # launcher's exit status (128 + n: signal n)
     checker_code: Optional[int] = None
+    memory_limit_hit: bool = False         # the check's memory cgroup hit its limit (memcg.py)
     cleanup_errors: list[str] = field(default_factory=list)   # processes that could not be killed
 
 
@@ -72,6 +74,9 @@ def classify(outcome: Outcome, nonce: str, limits: SandboxLimits, exec_time: flo
     if verdict is None:
         return ExecResult("error", exec_time, f"checker exited with code {outcome.checker_code} without a verdict")
     if verdict.get("worker_gone"):
+        if outcome.memory_limit_hit:
+            return ExecResult("killed", exec_time,
+                              f"memory limit exceeded (memory cgroup: {limits.memory_mb} MB above the interpreter)")
         return _worker_death(outcome.worker_code, exec_time)
     if verdict.get("status") in ("failed", "error"):
         return ExecResult(verdict["status"], exec_time, str(verdict.get("error"))[:1000])
@@ -107,6 +112,7 @@ class CheckRun:
         self._worker: Optional[subprocess.Popen] = None
         self._checker: Optional[subprocess.Popen] = None
         self._workdir: Optional[str] = None
+        self._cgroup: Optional[CheckCgroup] = None
         self._pending: dict[int, tuple[subprocess.Popen, memoryview]] = {}   # stdin data still to send
 
     def abort(self) -> None:
@@ -144,7 +150,9 @@ class CheckRun:
             if self.uid is not None:
                 os.chown(self._workdir, self.uid, self.uid)
         workdir = self._workdir or NAMESPACE_WORKDIR
-        cfg = launcher_config("run", self.iso.level, self.uid, workdir, self.limits, fds, self.iso.ro_skip)
+        self._cgroup = check_cgroup(self.iso.cgroup, self.limits, self.iso.drops_uid)
+        cfg = launcher_config("run", self.iso.level, self.uid, workdir, self.limits, fds, self.iso.ro_skip,
+                              self._cgroup)
         self._worker = subprocess.Popen(
             launcher_argv(self.iso.level, self.python, cfg), stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
             pass_fds=fds, env=worker_env(workdir), cwd="/", start_new_session=True)
@@ -257,6 +265,12 @@ class CheckRun:
             self.outcome.worker_code = self._reap(self._worker, "worker_pidfd", _EXIT_GRACE_S)
         if self.uid is not None:
             self._kill(procs.kill_uid, self.uid)
+        if self._cgroup is not None:
+            self.outcome.memory_limit_hit = self._cgroup.oom_killed()
+            try:
+                self._cgroup.remove()
+            except OSError as exc:
+                self._kill_failed(f"cgroup {self._cgroup.memory_dir}: {exc}")
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         with self._wake_lock:

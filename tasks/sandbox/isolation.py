@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .memcg import CgroupRoot, CheckCgroup, find_root
 from .sources import PYTHON_FLAGS, launcher_source
 from .spec import SandboxLimits
 
@@ -22,6 +23,7 @@ LEVELS = ("namespaces", "userns", "basic")
 NAMESPACE_WORKDIR = "/tmp/work"
 _UNSHARE = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--mount-proc", "--kill-child")
 _PROBE_TIMEOUT_S = 30.0
+CGROUP_OVERHEAD_MB = 64     # the launcher's and a fresh worker interpreter's own pages, on top of memory_mb
 
 
 class IsolationUnavailable(RuntimeError):
@@ -34,6 +36,32 @@ class Isolation:
     drops_uid: bool                  # each slot runs as its own uid (we are root)
     ro_skip: tuple[str, ...] = ()    # mounts the probe could not make read-only
     info: dict[str, Any] = field(default_factory=dict)
+    cgroup: Optional[CgroupRoot] = None   # each check gets a memory/pids cgroup under this (memcg.py)
+
+
+def check_cgroup(root: Optional[CgroupRoot], limits: SandboxLimits, drops_uid: bool) -> Optional[CheckCgroup]:
+    """A check's cgroup under `root` with the limits' memory bound (None without root), and a process
+    bound where RLIMIT_NPROC does not hold one (the worker keeps uid 0 or the caller's uid)."""
+    if root is None:
+        return None
+    return CheckCgroup(root, (limits.memory_mb + CGROUP_OVERHEAD_MB) << 20, None if drops_uid else pids_max(limits))
+
+
+def pids_max(limits: SandboxLimits) -> int:
+    return limits.max_processes + 1          # and the launcher
+
+
+def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str) -> dict[str, Any]:
+    """How a check's memory is bounded beyond RLIMIT_AS (isolation_info()["memory_bound"])."""
+    if iso.cgroup is not None:
+        return {"kind": f"cgroup v{iso.cgroup.version}", "limit_mb": limits.memory_mb + CGROUP_OVERHEAD_MB,
+                "pids_max": pids_max(limits) if iso.cgroup.pids_dir and not iso.drops_uid else None,
+                "memfd_and_shm": "charged to the check's cgroup" + (
+                    "" if iso.level != "basic" else "; shmget refused (no IPC namespace: segments would outlive it)")}
+    return {"kind": "seccomp", "limit_mb": None, "pids_max": None,
+            "memfd_and_shm": "memfd_create and shmget refused; /tmp and /dev/shm are size-capped tmpfs"
+                             if iso.level != "basic" else "memfd_create and shmget refused",
+            "no_cgroup_because": why_not}
 
 
 def launcher_argv(level: str, python: str, cfg: dict) -> list[str]:
@@ -52,26 +80,32 @@ def worker_env(workdir: str) -> dict[str, str]:
 
 
 def launcher_config(mode: str, level: str, uid: Optional[int], workdir: str, limits: SandboxLimits,
-                    fds: tuple[int, int, int], ro_skip: Optional[tuple[str, ...]]) -> dict:
+                    fds: tuple[int, int, int], ro_skip: Optional[tuple[str, ...]],
+                    cgroup: Optional[CheckCgroup] = None) -> dict:
     """The launcher's argv[1]; `fds` = (requests read end, replies write end, lifeline read end)."""
     return {"mode": mode, "level": level, "uid": uid, "workdir": workdir, "ro_skip": ro_skip,
+            "cgroup_procs": cgroup.procs_files if cgroup else [],
             "tmpfs_mb": max(16, 4 * limits.file_size_mb), "deadline_s": limits.timeout + 5.0,
             "limits": {"cpu_s": limits.cpu_seconds, "memory_mb": limits.memory_mb,
                        "file_size_mb": limits.file_size_mb, "max_processes": limits.max_processes},
             "fd_requests": fds[0], "fd_replies": fds[1], "fd_lifeline": fds[2]}
 
 
-def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int]) -> dict:
-    """Run the launcher in probe mode at `level`; its report, or IsolationUnavailable."""
+def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int],
+          cgroup_root: Optional[CgroupRoot] = None) -> dict:
+    """Run the launcher in probe mode at `level` (in a check cgroup under `cgroup_root`, when given);
+    its report, or IsolationUnavailable."""
     if level != "basic" and shutil.which("unshare") is None:
         raise IsolationUnavailable(f"{level}: the unshare command is not installed")
     workdir = NAMESPACE_WORKDIR if level != "basic" else tempfile.mkdtemp(prefix="evalrun-probe-")
     pipes = [os.pipe() for _ in range(3)]
     fds = (pipes[0][0], pipes[1][1], pipes[2][0])
+    cgroup = None
     try:
         if level == "basic" and uid is not None:
             os.chown(workdir, uid, uid)
-        cfg = launcher_config("probe", level, uid, workdir, limits, fds, None)
+        cgroup = check_cgroup(cgroup_root, limits, uid is not None)
+        cfg = launcher_config("probe", level, uid, workdir, limits, fds, None, cgroup)
         proc = subprocess.run(launcher_argv(level, python, cfg), stdin=subprocess.DEVNULL, capture_output=True,
                               pass_fds=fds, env=worker_env(workdir), timeout=_PROBE_TIMEOUT_S,
                               start_new_session=True)
@@ -82,6 +116,8 @@ def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int]) ->
             os.close(fd)
         if level == "basic":
             shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
     return _parse_probe(level, proc)
 
 
@@ -97,11 +133,16 @@ def _parse_probe(level: str, proc: subprocess.CompletedProcess) -> dict:
     return report
 
 
-def detect(requested: str, python: str, limits: SandboxLimits, probe_uid: Optional[int]) -> Isolation:
+def detect(requested: str, python: str, limits: SandboxLimits, probe_uid: Optional[int],
+           memory_cgroup: str = "auto") -> Isolation:
     """Probe `requested` (or, for "auto", the strongest level that works); `probe_uid` is a
-    sandbox uid to probe with (None when not root)."""
+    sandbox uid to probe with (None when not root). `memory_cgroup` "auto": each check gets a
+    memory/pids cgroup where one can be made and joined at that level; "off": never (the fallback)."""
     if requested != "auto" and requested not in LEVELS:
         raise ValueError(f"isolation must be 'auto' or one of {LEVELS}, got {requested!r}")
+    if memory_cgroup not in ("auto", "off"):
+        raise ValueError(f"memory_cgroup must be 'auto' or 'off', got {memory_cgroup!r}")
+    root, why_not = find_root() if memory_cgroup == "auto" else (None, "turned off (memory_cgroup='off')")
     if requested == "auto":
         candidates = LEVELS if probe_uid is not None else LEVELS[1:]
     else:
@@ -110,23 +151,32 @@ def detect(requested: str, python: str, limits: SandboxLimits, probe_uid: Option
     for level in candidates:
         uid = None if level == "userns" else probe_uid
         try:
-            report = probe(level, python, limits, uid)
+            report = probe(level, python, limits, uid, root)
         except IsolationUnavailable as exc:
             failures.append(str(exc))
             continue
-        iso = Isolation(level, uid is not None, tuple(report.get("ro_failed", ())))
-        return Isolation(iso.level, iso.drops_uid, iso.ro_skip, describe(iso, report, limits, uid, failures))
+        joined = root if report.get("cgroup_joined") else None
+        if root is not None and joined is None:
+            why_not = f"the launcher could not join a {root.describe()} cgroup: {report.get('cgroup_error')}"
+        iso = Isolation(level, uid is not None, tuple(report.get("ro_failed", ())), cgroup=joined)
+        info = describe(iso, report, limits, uid, failures, why_not)
+        return Isolation(iso.level, iso.drops_uid, iso.ro_skip, info, joined)
     raise IsolationUnavailable("; ".join(failures))
 
 
 def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[int],
-             failures: list[str]) -> dict[str, Any]:
+             failures: list[str], cgroup_why_not: str = "") -> dict[str, Any]:
     """isolation_info(): what the probe showed the worker gets (JSON-able)."""
     namespaced = iso.level != "basic"
     notes = [f"not available: {f}" for f in failures]
     if not namespaced:
         notes.append("network and file system are NOT isolated (no unshare)")
-    if not iso.drops_uid and os.geteuid() == 0:
+    memory = memory_bound(iso, limits, cgroup_why_not)
+    if iso.cgroup is None and not namespaced:
+        notes.append("no memory cgroup: files the worker writes in the host's /tmp and /dev/shm are bounded only "
+                     "per file (RLIMIT_FSIZE), not in total")
+    pids_bounded = memory["pids_max"] is not None
+    if not iso.drops_uid and os.geteuid() == 0 and not pids_bounded:
         notes.append("the worker runs as (k)uid 0, for which the kernel does not enforce RLIMIT_NPROC: "
                      "a fork bomb is bounded only by the timeout")
     elif not iso.drops_uid:
@@ -144,7 +194,7 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
             "pid_namespace": bool(report.get("pid_namespace")), "readonly_fs": bool(report["root_readonly"]),
             "uid_dropped": uid is not None and report["uid"] == uid, "capabilities_dropped": report["cap_eff"] == 0,
             "exposed_paths": report.get("exposed", []), "rebound_paths": report.get("rebound", []),
-            "seccomp_denied": report.get("seccomp_denied", []),
+            "seccomp_denied": report.get("seccomp_denied", []), "memory_bound": memory,
             "rlimits": {"cpu_seconds": limits.cpu_seconds, "address_space_mb_above_interpreter": limits.memory_mb,
                         "file_size_mb": limits.file_size_mb, "max_processes": report["nproc"], "core": 0},
             "wall_timeout_s": limits.timeout, "output_bytes": limits.output_bytes, "notes": notes}

@@ -95,6 +95,7 @@ def prepare_mounts(cfg: dict, report: dict) -> None:
 
 def confine_worker(cfg: dict, report: dict) -> None:
     """In the forked worker, before untrusted code: limits, identity, capabilities."""
+    set_oom_score_adj(1000)             # the first a memory cgroup's (or the host's) OOM killer ends
     lim = cfg["limits"]
     confine.set_rlimits(lim["cpu_s"], lim["memory_mb"], lim["file_size_mb"], lim["max_processes"])
     privileged = cfg["level"] in NAMESPACE_LEVELS or os.geteuid() == 0
@@ -108,7 +109,7 @@ def confine_worker(cfg: dict, report: dict) -> None:
         confine.set_capabilities(0)
     confine.prctl(confine.PR_SET_NO_NEW_PRIVS, 1)
     try:
-        report["seccomp_denied"] = confine.deny_syscalls()
+        report["seccomp_denied"] = confine.deny_syscalls(extra_denials(cfg, report))
     except OSError as exc:
         report["seccomp_denied"], report["seccomp_error"] = [], str(exc)
     confine.prctl(confine.PR_SET_DUMPABLE, 1)    # NOTE: setuid cleared it; /proc/self needs it
@@ -116,6 +117,42 @@ def confine_worker(cfg: dict, report: dict) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+
+
+def extra_denials(cfg: dict, report: dict) -> list[str]:
+    """What the seccomp filter also refuses here: memory no cgroup would bound (memfd_create, and
+    SysV shared memory, whose segments would also outlive the check without an IPC namespace)."""
+    unbounded = not report.get("cgroup_joined")
+    return (["memfd_create"] if unbounded else []) + \
+        (["shmget"] if unbounded or cfg["level"] not in NAMESPACE_LEVELS else [])
+
+
+def set_oom_score_adj(value: int) -> bool:
+    """The OOM killer's preference for this process (-1000: never, 1000: first); False if refused."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+        return True
+    except OSError:
+        return False
+
+
+def join_cgroups(cfg: dict, report: dict) -> None:
+    """Move this process (so the worker it forks, and all below) into the check's cgroups (memcg.py),
+    where the OOM killer is to spare it (the worker it forks asks to be chosen first: pages of a
+    memfd count in no process's size, so the killer could otherwise pick the supervisor).
+    In probe mode a failure is reported instead of raised."""
+    try:
+        for path in cfg["cgroup_procs"]:
+            with open(path, "w") as f:
+                f.write("0")
+        if cfg["cgroup_procs"]:
+            report["launcher_oom_protected"] = set_oom_score_adj(-1000)
+        report["cgroup_joined"] = bool(cfg["cgroup_procs"])
+    except OSError as exc:
+        if cfg["mode"] != "probe":
+            raise OSError(f"cannot join the check's cgroup ({exc.strerror or exc})") from None
+        report["cgroup_joined"], report["cgroup_error"] = False, exc.strerror or str(exc)
 
 
 def probe_report(cfg: dict, report: dict) -> dict:
@@ -231,6 +268,7 @@ def main() -> None:
     job = json.loads(sys.stdin.buffer.read() or b"{}") if cfg["mode"] == "run" else {}
     report: dict[str, object] = {"pid_namespace": os.getpid() == 1}
     try:
+        join_cgroups(cfg, report)           # NOTE: 10-20 ms here (the kernel waits an RCU grace period)
         confine.prctl(confine.PR_SET_CHILD_SUBREAPER, 1)
         if cfg["level"] in NAMESPACE_LEVELS:
             prepare_mounts(cfg, report)

@@ -40,10 +40,12 @@ class Sandbox:
     isolation: "auto" (strongest that works here), "namespaces", "userns" or "basic"
     (a forced level that does not work raises IsolationUnavailable). When root, each of the
     `workers` slots runs as its own uid from `base_uid` up (skipping uids that another
-    Sandbox holds)."""
+    Sandbox holds). memory_cgroup: "auto" gives each check a memory and pids cgroup where one can
+    be made (memcg.py); "off" never does, and the worker's seccomp filter refuses memfd_create and
+    shmget instead (the fallback of machines without cgroups)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), workers: int = 4, isolation: str = "auto",
-                 python: str = sys.executable, base_uid: int = DEFAULT_BASE_UID) -> None:
+                 python: str = sys.executable, base_uid: int = DEFAULT_BASE_UID, memory_cgroup: str = "auto") -> None:
         if not isinstance(limits, SandboxLimits):
             raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -54,7 +56,7 @@ class Sandbox:
         prctl(PR_SET_DUMPABLE, 0)
         self._lease: Optional[UidLease] = UidLease(base_uid, workers) if os.geteuid() == 0 else None
         try:
-            self._iso = detect(isolation, python, limits, self._lease.uids[0] if self._lease else None)
+            self._iso = detect(isolation, python, limits, self._lease.uids[0] if self._lease else None, memory_cgroup)
         except BaseException:
             self._release_uids()
             raise
