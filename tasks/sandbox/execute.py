@@ -102,8 +102,9 @@ class CheckRun:
     """Runs one CheckSpec in one slot. `run()` once; `abort()` from any thread."""
 
     def __init__(self, spec: CheckSpec, limits: SandboxLimits, iso: Isolation, python: str,
-                 uid: Optional[int]) -> None:
+                 uid: Optional[int], hidden: tuple[str, ...] = ()) -> None:
         self.spec, self.limits, self.iso, self.python, self.uid = spec, limits, iso, python, uid
+        self.hidden = hidden
         self.nonce = secrets.token_hex(16)
         self.outcome = Outcome()
         self._wake_r, self._wake_w = os.pipe()
@@ -152,7 +153,7 @@ class CheckRun:
         workdir = self._workdir or NAMESPACE_WORKDIR
         self._cgroup = check_cgroup(self.iso.cgroup, self.limits, self.iso.drops_uid)
         cfg = launcher_config("run", self.iso.level, self.uid, workdir, self.limits, fds, self.iso.ro_skip,
-                              self._cgroup)
+                              self._cgroup, self.hidden)
         self._worker = subprocess.Popen(
             launcher_argv(self.iso.level, self.python, cfg), stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
             pass_fds=fds, env=worker_env(workdir), cwd="/", start_new_session=True)

@@ -81,10 +81,11 @@ def worker_env(workdir: str) -> dict[str, str]:
 
 def launcher_config(mode: str, level: str, uid: Optional[int], workdir: str, limits: SandboxLimits,
                     fds: tuple[int, int, int], ro_skip: Optional[tuple[str, ...]],
-                    cgroup: Optional[CheckCgroup] = None) -> dict:
-    """The launcher's argv[1]; `fds` = (requests read end, replies write end, lifeline read end)."""
+                    cgroup: Optional[CheckCgroup] = None, hidden: tuple[str, ...] = ()) -> dict:
+    """The launcher's argv[1]; `fds` = (requests read end, replies write end, lifeline read end);
+    `hidden`: paths to cover at the namespace levels."""
     return {"mode": mode, "level": level, "uid": uid, "workdir": workdir, "ro_skip": ro_skip,
-            "cgroup_procs": cgroup.procs_files if cgroup else [],
+            "cgroup_procs": cgroup.procs_files if cgroup else [], "hidden": list(hidden),
             "tmpfs_mb": max(16, 4 * limits.file_size_mb), "deadline_s": limits.timeout + 5.0,
             "limits": {"cpu_s": limits.cpu_seconds, "memory_mb": limits.memory_mb,
                        "file_size_mb": limits.file_size_mb, "max_processes": limits.max_processes},

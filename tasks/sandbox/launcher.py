@@ -83,6 +83,7 @@ def prepare_mounts(cfg: dict, report: dict) -> None:
     report["rebound"] = [path for path, _ in hidden]
     if cfg["uid"] is not None:
         report["exposed"] = confine.expose_paths(paths, cfg["uid"], "/tmp")
+    report["hidden"] = confine.hide_paths(cfg["hidden"])      # after the binds above, which could bring them back
     failed = confine.remount_readonly(skip=COVERED)
     report["ro_failed"] = failed
     unexpected = sorted(set(failed) - set(cfg["ro_skip"] or ()))

@@ -23,7 +23,7 @@ import os
 import queue
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from .confine import PR_SET_DUMPABLE, prctl
 from .execute import CheckRun
@@ -42,15 +42,22 @@ class Sandbox:
     `workers` slots runs as its own uid from `base_uid` up (skipping uids that another
     Sandbox holds). memory_cgroup: "auto" gives each check a memory and pids cgroup where one can
     be made (memcg.py); "off" never does, and the worker's seccomp filter refuses memfd_create and
-    shmget instead (the fallback of machines without cgroups)."""
+    shmget instead (the fallback of machines without cgroups). hidden_paths: files and directories a
+    program must not read (the problems' data and tests); at the namespace levels each is covered in
+    the worker's mount namespace (a file by /dev/null, a directory by an empty read-only tmpfs); the
+    basic level has no file system isolation, and isolation_info() says they stay readable there."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), workers: int = 4, isolation: str = "auto",
-                 python: str = sys.executable, base_uid: int = DEFAULT_BASE_UID, memory_cgroup: str = "auto") -> None:
+                 python: str = sys.executable, base_uid: int = DEFAULT_BASE_UID, memory_cgroup: str = "auto",
+                 hidden_paths: Iterable[str] = ()) -> None:
         if not isinstance(limits, SandboxLimits):
             raise TypeError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
         self.limits, self.workers, self.python = limits, workers, python
+        if isinstance(hidden_paths, (str, bytes)):
+            raise TypeError("hidden_paths must be an iterable of paths, not one string")
+        self.hidden_paths = tuple(sorted({os.path.realpath(p) for p in hidden_paths}))
         # This process holds every check's nonce and verdict pipe: non-dumpable, its /proc/<pid>/mem
         # and /proc/<pid>/fd are closed to processes of the same uid (a worker at the basic level).
         prctl(PR_SET_DUMPABLE, 0)
@@ -83,6 +90,12 @@ class Sandbox:
         info["sandbox_uids"] = list(self._uids)
         info["harness_non_dumpable"] = info["checker_non_dumpable"] = True   # before any program runs
         info["workers"] = self.workers
+        info["hidden_paths"] = list(self.hidden_paths)
+        info["hidden_paths_readable"] = bool(self.hidden_paths) and self._iso.level == "basic"
+        if info["hidden_paths_readable"]:
+            info["notes"] = list(info.get("notes", [])) + [
+                "the problems' data and tests stay readable to programs at the basic level (no mount namespace "
+                "to hide them in): " + ", ".join(self.hidden_paths)]
         if self._one_at_a_time:
             info["notes"] = list(info.get("notes", [])) + [
                 "checks run one at a time: at the basic level without root every worker has the harness's "
@@ -98,7 +111,7 @@ class Sandbox:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("Sandbox is closed")
-                check = CheckRun(spec, self.limits, self._iso, self.python, uid)
+                check = CheckRun(spec, self.limits, self._iso, self.python, uid, self.hidden_paths)
                 self._active.add(check)
             try:
                 return check.run()
