@@ -90,11 +90,12 @@ def test_secret_paths_name_the_data_file_and_the_package_data(outside_data):
     assert str(outside_data.resolve()) not in load_humaneval().secret_paths()
 
 
-def test_an_unhidden_sandbox_really_exposes_them(outside_data, problems):
-    """The attack works without hiding, so the tests below can fail."""
+def test_an_unhidden_sandbox_really_exposes_the_package_data(problems):
+    """The attack works without hiding (the interpreter's prefix is kept in the worker's view of the
+    host), so the tests below can fail. (A --data-file outside the system's and the interpreter's
+    directories is also out of the minimal view, test_sandbox_host_view.py.)"""
     with open_sandbox("namespaces", limits=FAST, workers=1) as box:
-        for path in (str(package_data_file()), str(outside_data)):
-            assert box.run(he_spec(problems["HumanEval/0"], _reads(path))).passed, path
+        assert box.run(he_spec(problems["HumanEval/0"], _reads(str(package_data_file())))).passed
 
 
 @pytest.mark.parametrize("which", ["package", "data_file"])

@@ -108,6 +108,51 @@ def hide_paths(paths: Iterable[str]) -> list[str]:
     return covered
 
 
+def outermost(paths: Iterable[str]) -> list[str]:
+    """`paths` without those inside another of them."""
+    ps = sorted(set(paths))
+    return [p for p in ps if not any(q != p and is_below(p, (q,)) for q in ps)]
+
+
+def cover_except(directory: str, keep: Iterable[str], mode: int = 0o755) -> list[str]:
+    """Cover `directory` with an empty tmpfs, then bind back (recursively, read-only once all is
+    remounted so) only the paths `keep` below it: directories and files. Returns what came back."""
+    keep = [k for k in outermost(keep) if k != directory and is_below(k, (directory,)) and os.path.lexists(k)]
+    fds = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in keep]
+    try:
+        mount_tmpfs(directory, 1, mode)
+        for path, fd in fds:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                make_dirs(path)
+            else:
+                make_dirs(os.path.dirname(path))
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    finally:
+        for _, fd in fds:
+            os.close(fd)
+    return keep
+
+
+def minimal_view(keep: Iterable[str], system: Iterable[str], etc_files: Iterable[str],
+                 dev_nodes: Iterable[str]) -> list[str]:
+    """Hide the host's file system except what a Python program needs: every top-level directory
+    that is neither in `system` (e.g. /usr, /lib, /proc) nor inside a `keep` path (the interpreter's
+    own) is covered by an empty tmpfs with only the `keep` paths below it bound back (a home
+    directory then shows just the interpreter under it); /etc keeps only `etc_files` and /dev only
+    `dev_nodes`. Symlinks at the top level (e.g. /bin -> usr/bin) are left: they lead into kept
+    directories or nowhere. Returns the directories covered."""
+    keep, system, covered = outermost(keep), tuple(system), []
+    for name in sorted(os.listdir("/")):
+        top = "/" + name
+        if os.path.islink(top) or not os.path.isdir(top) or top in system or is_below(top, keep):
+            continue
+        wanted = {"/etc": etc_files, "/dev": dev_nodes}.get(top, ())
+        cover_except(top, [*keep, *wanted])
+        covered.append(top)
+    return covered
+
+
 def make_dirs(path: str, mode: int = 0o755) -> None:
     """mkdir -p, giving the directories it creates exactly `mode` (no umask)."""
     if os.path.isdir(path):

@@ -213,6 +213,7 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
             "pid_namespace": bool(report.get("pid_namespace")), "readonly_fs": bool(report["root_readonly"]),
             "uid_dropped": uid is not None and report["uid"] == uid, "capabilities_dropped": report["cap_eff"] == 0,
             "exposed_paths": report.get("exposed", []), "rebound_paths": report.get("rebound", []),
+            "host_dirs_hidden": report.get("host_hidden", []),
             "seccomp_denied": report.get("seccomp_denied", []), "memory_bound": memory,
             "rlimits": {"cpu_seconds": limits.cpu_seconds, "address_space_mb_above_interpreter": limits.memory_mb,
                         "file_size_mb": limits.file_size_mb, "max_processes": report["nproc"], "core": 0},

@@ -28,6 +28,13 @@ from tasks.sandbox.worker import worker_main
 
 NAMESPACE_LEVELS = ("namespaces", "userns")
 COVERED = ("/tmp", "/dev/shm")           # each gets a fresh tmpfs at the namespace levels
+# What stays of the host's file system at the namespace levels (besides the interpreter's own
+# directories): the system's programs and libraries, /proc (the PID namespace's own) and /sys, a
+# few files of /etc the loader and libc read, and the harmless device nodes.
+SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/proc", "/sys", "/tmp")
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd",
+             "/etc/group", "/etc/nsswitch.conf", "/etc/alternatives")
+DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 
 
 def executable_dirs() -> list[str]:
@@ -68,14 +75,18 @@ def covered_interpreter_paths(paths: list[str]) -> list[str]:
 
 
 def prepare_mounts(cfg: dict, report: dict) -> None:
-    """Namespace levels: private mounts, fresh size-capped tmpfs on /tmp and /dev/shm,
-    the interpreter's own directories bound back read-only at their paths when those hid
-    them (a venv under /tmp), the interpreter exposed to the uid, everything else read-only,
-    and the work dir in the new /tmp."""
+    """Namespace levels: private mounts; the host's file system hidden except the system's
+    directories and the interpreter's own (confine.minimal_view: homes, /etc, /dev, /var, /run,
+    ... become empty tmpfs with only what Python needs bound back); fresh size-capped tmpfs on
+    /tmp and /dev/shm, the interpreter's own directories bound back read-only at their paths when
+    those hid them (a venv under /tmp), the interpreter exposed to the uid, the problems' data
+    covered, everything else read-only, and the work dir in the new /tmp."""
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
     paths = interpreter_paths()
     hidden = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in covered_interpreter_paths(paths)]
+    report["host_hidden"] = confine.minimal_view(paths, SYSTEM_DIRS, ETC_FILES, DEV_NODES)
     for path in COVERED:
+        confine.make_dirs(path)
         confine.mount_tmpfs(path, cfg["tmpfs_mb"])
     for path, fd in hidden:
         confine.bind_back_readonly(fd, path)
