@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import textwrap
 import time
 from pathlib import Path
 
@@ -18,7 +19,24 @@ MARK = str(10 ** 7 + secrets.randbelow(9 * 10 ** 7))   # tags the sleepers (digi
 PROBLEM = "HumanEval/0"                # has_close_elements(numbers, threshold) -> bool
 
 
+# The body of HumanEval/0's function, right; attack completions return it only when the attack
+# worked, so a "passed" verdict reveals a hole.
+CORRECT_0 = """\
+    for i, a in enumerate(numbers):
+        for j, b in enumerate(numbers):
+            if i != j and abs(a - b) < threshold:
+                return True
+    return False
+"""
+
+
 # --- helpers ----------------------------------------------------------------------
+def right_only_if(attack: str) -> str:
+    """A HumanEval/0 completion: `attack` (indented code) sets `ok`; the right answer only if ok."""
+    body = textwrap.indent(textwrap.dedent(attack), "    ")
+    return body + "    if not ok:\n        return None\n" + CORRECT_0
+
+
 def he_spec(problem: dict, completion: str) -> CheckSpec:
     return CheckSpec(program=problem["prompt"] + completion,
                      check_source=problem["prompt"] + "\n" + problem["test"], entry_point=problem["entry_point"])

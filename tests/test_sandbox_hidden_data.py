@@ -19,21 +19,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import FAST, he_spec, open_sandbox
+from sandbox_helpers import CORRECT_0, FAST, he_spec, open_sandbox
 
 from evalrun.cli import main
 from tasks.humaneval_data import load_humaneval, package_data_file
 
 NAMESPACE_LEVELS = ("namespaces", "userns")
-
-CORRECT = """\
-    for i, a in enumerate(numbers):
-        for j, b in enumerate(numbers):
-            if i != j and abs(a - b) < threshold:
-                return True
-    return False
-"""
-
 
 def _reads(path: str) -> str:
     """A completion that is right only if it could read the tests in `path` (gzip or plain)."""
@@ -49,7 +40,7 @@ def _reads(path: str) -> str:
     if not ok:
         return None
 """
-    return textwrap.indent(textwrap.dedent(attack), "    ") + CORRECT
+    return textwrap.indent(textwrap.dedent(attack), "    ") + CORRECT_0
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +100,7 @@ def test_tests_are_unreadable_from_the_sandbox(hidden_box, outside_data, problem
 
 
 def test_the_checker_still_reads_the_tests_and_a_right_answer_passes(hidden_box, problems):
-    assert hidden_box.run(he_spec(problems["HumanEval/0"], CORRECT)).passed
+    assert hidden_box.run(he_spec(problems["HumanEval/0"], CORRECT_0)).passed
 
 
 def test_the_basic_level_says_they_stay_readable(outside_data):
@@ -125,7 +116,7 @@ def test_score_samples_hides_the_data_file_end_to_end(outside_data, tmp_path, pr
     answer passes, and the manifest names what was hidden."""
     samples = tmp_path / "samples.jsonl"
     with samples.open("w") as f:
-        for completion in (_reads(str(outside_data)), CORRECT):
+        for completion in (_reads(str(outside_data)), CORRECT_0):
             f.write(json.dumps({"task_id": "HumanEval/0", "completion": completion}) + "\n")
     out = tmp_path / "run"
     open_sandbox("namespaces", limits=FAST, workers=1).close()      # skips where that level is not available

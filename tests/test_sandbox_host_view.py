@@ -11,31 +11,17 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import FAST, he_spec, open_sandbox
+from sandbox_helpers import FAST, he_spec, open_sandbox, right_only_if
 
 from tasks.sandbox.launcher import DEV_NODES
 
-CORRECT = """\
-    for i, a in enumerate(numbers):
-        for j, b in enumerate(numbers):
-            if i != j and abs(a - b) < threshold:
-                return True
-    return False
-"""
-
-
-def _when(attack: str) -> str:
-    return textwrap.indent(textwrap.dedent(attack), "    ") + "    if not ok:\n        return None\n" + CORRECT
-
 
 def _reads(path: str, token: str) -> str:
-    return _when(f"""
+    return right_only_if(f"""
     ok = False
     try:
         with open({path!r}) as f:
@@ -85,7 +71,7 @@ def test_only_harmless_device_nodes_are_visible(ns_box, problems):
     import os
     ok = sorted(os.listdir("/dev")) != {allowed!r}
     """
-    assert ns_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "failed"
+    assert ns_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack))).status == "failed"
 
 
 def test_the_manifest_names_the_hidden_directories(ns_box):
@@ -101,5 +87,5 @@ def test_programs_still_run_with_the_interpreter_and_its_libraries(ns_box, probl
     import hashlib, json, sqlite3, ssl, ctypes.util, decimal, zlib, datetime
     ok = hashlib.sha256(b"x").hexdigest().startswith("2d71") and sqlite3.connect(":memory:") is not None
     """
-    result = ns_box.run(he_spec(problems["HumanEval/0"], _when(attack)))
+    result = ns_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack)))
     assert result.passed, result

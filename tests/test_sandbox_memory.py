@@ -15,24 +15,15 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import pytest
-from sandbox_helpers import LEVELS, REPO, he_spec, open_sandbox
+from sandbox_helpers import LEVELS, REPO, he_spec, open_sandbox, right_only_if
 
 from tasks.sandbox import SandboxLimits
 from tasks.sandbox.memcg import find_root
 
 LIMITS = SandboxLimits(timeout=10.0, memory_mb=64)
 NOBODY = 65534
-
-CORRECT = """\
-    for i, a in enumerate(numbers):
-        for j, b in enumerate(numbers):
-            if i != j and abs(a - b) < threshold:
-                return True
-    return False
-"""
 
 # 48 x 16 MB written a MB at a time (the 1 MB buffer stays far below RLIMIT_AS)
 MEMFD_FLOOD = """
@@ -71,11 +62,6 @@ finally:
 """
 
 
-def _completion(attack: str) -> str:
-    body = textwrap.indent(textwrap.dedent(attack), "    ")
-    return body + "    if not ok:\n        return None\n" + CORRECT
-
-
 def _cgroup_here() -> bool:
     return find_root()[0] is not None
 
@@ -106,7 +92,7 @@ def test_the_manifest_says_which_memory_bound_is_in_force(mem_box):
 
 
 def test_memfd_flood_is_bounded(mem_box, problems):
-    result = mem_box.run(he_spec(problems["HumanEval/0"], _completion(MEMFD_FLOOD)))
+    result = mem_box.run(he_spec(problems["HumanEval/0"], right_only_if(MEMFD_FLOOD)))
     assert not result.passed, result
     if mem_box.isolation_info()["memory_bound"]["kind"].startswith("cgroup"):
         assert result.status == "killed" and "memory limit exceeded" in result.error, result
@@ -120,7 +106,7 @@ def test_shm_flood_is_bounded(mem_box, problems):
         assert any("/dev/shm" in note for note in info["notes"])   # the hole is stated, not hidden
         pytest.skip("basic level without a cgroup: the host's /dev/shm is bounded per file only (stated in notes)")
     try:
-        result = mem_box.run(he_spec(problems["HumanEval/0"], _completion(SHM_FLOOD)))
+        result = mem_box.run(he_spec(problems["HumanEval/0"], right_only_if(SHM_FLOOD)))
     finally:        # at the basic level the killed worker's files stay in the host's /dev/shm (stated in notes)
         for name in os.listdir("/dev/shm"):
             if name.startswith("evalrun-flood-"):
@@ -130,7 +116,7 @@ def test_shm_flood_is_bounded(mem_box, problems):
 
 def test_a_check_within_the_limit_still_passes(mem_box, problems):
     """32 MB of ordinary memory fits both RLIMIT_AS and the cgroup: the bound is not set too tight."""
-    result = mem_box.run(he_spec(problems["HumanEval/0"], _completion("ok = len(bytearray(32 << 20)) > 0\n")))
+    result = mem_box.run(he_spec(problems["HumanEval/0"], right_only_if("ok = len(bytearray(32 << 20)) > 0\n")))
     assert result.passed, result
 
 
@@ -138,7 +124,7 @@ def test_no_cgroup_is_left_behind(mem_box, problems):
     root = find_root()[0]
     if root is None or mem_box.isolation_info()["memory_bound"]["kind"] == "seccomp":
         pytest.skip("no cgroup in use")
-    mem_box.run(he_spec(problems["HumanEval/0"], _completion(MEMFD_FLOOD)))
+    mem_box.run(he_spec(problems["HumanEval/0"], right_only_if(MEMFD_FLOOD)))
     for parent in filter(None, (root.memory_dir, root.pids_dir)):
         assert not [d for d in os.listdir(parent) if d.startswith(f"evalrun-sandbox-{os.getpid()}-")], parent
 

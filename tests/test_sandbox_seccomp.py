@@ -11,10 +11,9 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
-import textwrap
 
 import pytest
-from sandbox_helpers import FAST, LEVELS, he_spec, open_sandbox
+from sandbox_helpers import FAST, LEVELS, he_spec, open_sandbox, right_only_if
 
 def _libseccomp_here() -> bool:
     try:
@@ -27,20 +26,6 @@ def _libseccomp_here() -> bool:
 # Where libseccomp is missing the sandbox runs without the filter and says so in isolation_info
 # (notes); these attacks then succeed, so there is nothing to test.
 pytestmark = pytest.mark.skipif(not _libseccomp_here(), reason="libseccomp.so.2 is not installed")
-
-CORRECT = """\
-    for i, a in enumerate(numbers):
-        for j, b in enumerate(numbers):
-            if i != j and abs(a - b) < threshold:
-                return True
-    return False
-"""
-
-
-def _when(condition_code: str) -> str:
-    """A completion: `condition_code` sets `ok`; the right answer only if ok, else a wrong one."""
-    body = textwrap.indent(textwrap.dedent(condition_code), "    ")
-    return body + "    if not ok:\n        return None\n" + CORRECT
 
 
 def test_host_unix_socket_is_unreachable(level_box, problems, tmp_path):
@@ -64,7 +49,7 @@ def test_host_unix_socket_is_unreachable(level_box, problems, tmp_path):
             except OSError:
                 pass
         """
-        result = level_box.run(he_spec(problems["HumanEval/0"], _when(attack)))
+        result = level_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack)))
         assert result.status == "failed", result
         with pytest.raises(BlockingIOError):
             server.accept()                                      # no connection ever arrived
@@ -84,7 +69,7 @@ def test_netlink_and_vsock_sockets_are_refused(level_box, problems):
         except OSError:
             pass
     """
-    assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "failed"
+    assert level_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack))).status == "failed"
 
 
 KEYCTL = """
@@ -113,8 +98,8 @@ ok = kid > 0
     problem = problems["HumanEval/0"]
     box = open_sandbox(level, limits=FAST, workers=1)
     try:
-        first = box.run(he_spec(problem, _when(store)))
-        second = box.run(he_spec(problem, _when(find)))
+        first = box.run(he_spec(problem, right_only_if(store)))
+        second = box.run(he_spec(problem, right_only_if(find)))
     finally:
         box.close()
     assert first.status == "failed" and second.status == "failed", (first, second)
@@ -132,7 +117,7 @@ def test_the_filter_is_what_refuses(level_box, problems):
     except OSError:
         pass
     """
-    assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "passed"
+    assert level_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack))).status == "passed"
 
 
 def test_high_bits_in_the_family_do_not_dodge_the_filter(level_box, problems):
@@ -151,4 +136,4 @@ def test_high_bits_in_the_family_do_not_dodge_the_filter(level_box, problems):
     fd = libc.syscall(425, 8, ctypes.create_string_buffer(120))                 # io_uring_setup(2)
     ok = ok or fd >= 0
     """
-    assert level_box.run(he_spec(problems["HumanEval/0"], _when(attack))).status == "failed"
+    assert level_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack))).status == "failed"
