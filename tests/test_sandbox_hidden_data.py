@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import textwrap
 from pathlib import Path
@@ -45,8 +46,12 @@ def _reads(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def outside_data():
-    """A copy of the data file outside /tmp (which gets a fresh tmpfs anyway), readable by all."""
-    root = Path(tempfile.mkdtemp(prefix="evalrun-hidden-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    """A copy of the data file, readable by all, in a directory the worker's minimal view keeps (the
+    interpreter's site-packages), so that only hiding it keeps the tests from the candidate."""
+    try:
+        root = Path(tempfile.mkdtemp(prefix="evalrun-hidden-", dir=sysconfig.get_paths()["purelib"]))
+    except OSError as exc:
+        pytest.skip(f"cannot write into the interpreter's site-packages: {exc}")
     os.chmod(root, 0o755)
     copy = root / "problems.jsonl"
     with gzip.open(package_data_file(), "rt") as src:
@@ -81,12 +86,13 @@ def test_secret_paths_name_the_data_file_and_the_package_data(outside_data):
     assert str(outside_data.resolve()) not in load_humaneval().secret_paths()
 
 
-def test_an_unhidden_sandbox_really_exposes_the_package_data(problems):
+def test_an_unhidden_sandbox_really_exposes_the_data(problems, outside_data):
     """The attack works without hiding (the interpreter's prefix is kept in the worker's view of the
     host), so the tests below can fail. (A --data-file outside the system's and the interpreter's
     directories is also out of the minimal view, test_sandbox_host_view.py.)"""
     with open_sandbox("namespaces", limits=FAST, workers=1) as box:
-        assert box.run(he_spec(problems["HumanEval/0"], _reads(str(package_data_file())))).passed
+        for path in (package_data_file(), outside_data):
+            assert box.run(he_spec(problems["HumanEval/0"], _reads(str(path)))).passed, path
 
 
 @pytest.mark.parametrize("which", ["package", "data_file"])

@@ -74,7 +74,9 @@ def is_below(path: str, roots: Iterable[str]) -> bool:
 
 def remount_readonly(skip: Iterable[str], within: str = "/") -> list[str]:
     """Bind-remount every mount at or below `within` read-only, except those at or below a
-    `skip` path (covered by a fresh tmpfs); returns the mount points that failed."""
+    `skip` path (covered by a fresh tmpfs); returns the mount points that failed. A mount whose
+    path no longer resolves (it lies under a directory a tmpfs now covers) is unreachable and
+    needs nothing."""
     skip, failed, done = tuple(skip), [], set()
     for path, flags in mount_points():
         if path in done or not is_below(path, (within,)) or is_below(path, skip):
@@ -83,7 +85,8 @@ def remount_readonly(skip: Iterable[str], within: str = "/") -> list[str]:
         try:
             mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
         except OSError:
-            failed.append(path)
+            if os.path.lexists(path):
+                failed.append(path)
     return failed
 
 
@@ -116,10 +119,13 @@ def outermost(paths: Iterable[str]) -> list[str]:
 
 def cover_except(directory: str, keep: Iterable[str], mode: int = 0o755) -> list[str]:
     """Cover `directory` with an empty tmpfs, then bind back (recursively, read-only once all is
-    remounted so) only the paths `keep` below it: directories and files. Returns what came back."""
-    keep = [k for k in outermost(keep) if k != directory and is_below(k, (directory,)) and os.path.lexists(k)]
-    fds = [(k, os.open(k, os.O_PATH | os.O_CLOEXEC)) for k in keep]
+    remounted so) only the paths `keep` below it: directories and files; a symlink brings back
+    what it leads to, a dangling one nothing. Returns what came back."""
+    keep = [k for k in outermost(keep) if k != directory and is_below(k, (directory,)) and os.path.exists(k)]
+    fds: list[tuple[str, int]] = []
     try:
+        for path in keep:
+            fds.append((path, os.open(path, os.O_PATH | os.O_CLOEXEC)))
         mount_tmpfs(directory, 1, mode)
         for path, fd in fds:
             if stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -140,17 +146,24 @@ def minimal_view(keep: Iterable[str], system: Iterable[str], etc_files: Iterable
     that is neither in `system` (e.g. /usr, /lib, /proc) nor inside a `keep` path (the interpreter's
     own) is covered by an empty tmpfs with only the `keep` paths below it bound back (a home
     directory then shows just the interpreter under it); /etc keeps only `etc_files` and /dev only
-    `dev_nodes`. Symlinks at the top level (e.g. /bin -> usr/bin) are left: they lead into kept
-    directories or nowhere. Returns the directories covered."""
-    keep, system, covered = outermost(keep), tuple(system), []
-    for name in sorted(os.listdir("/")):
-        top = "/" + name
+    `dev_nodes`; every other top-level file reads as /dev/null. `keep` counts by name and by real
+    path (/home -> var/home keeps /var/home/...). Symlinks at the top level (e.g. /bin -> usr/bin)
+    are left: they lead into kept paths or nowhere. Returns what was covered."""
+    keep = [k for k in keep if os.path.exists(k)]
+    keep = outermost([*keep, *(os.path.realpath(k) for k in keep)])
+    system, covered = tuple(system), []
+    names = sorted(os.listdir("/"))
+    for top in ("/" + name for name in names):         # files first: /dev/null is still the host's
+        if not os.path.islink(top) and not os.path.isdir(top) and top not in system and not is_below(top, keep):
+            mount("/dev/null", top, None, MS_BIND)
+            covered.append(top)
+    for top in ("/" + name for name in names):
         if os.path.islink(top) or not os.path.isdir(top) or top in system or is_below(top, keep):
             continue
         wanted = {"/etc": etc_files, "/dev": dev_nodes}.get(top, ())
         cover_except(top, [*keep, *wanted])
         covered.append(top)
-    return covered
+    return sorted(covered)
 
 
 def make_dirs(path: str, mode: int = 0o755) -> None:

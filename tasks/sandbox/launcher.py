@@ -33,8 +33,12 @@ COVERED = ("/tmp", "/dev/shm")           # each gets a fresh tmpfs at the namesp
 # few files of /etc the loader and libc read, and the harmless device nodes.
 SYSTEM_DIRS = ("/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/proc", "/sys", "/tmp")
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd",
-             "/etc/group", "/etc/nsswitch.conf", "/etc/alternatives")
+             "/etc/group", "/etc/nsswitch.conf", "/etc/alternatives", "/etc/hosts")
 DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+             "/dev/stderr": "/proc/self/fd/2"}
+# Extension modules the probe's `python` must still import in the view (those this interpreter has).
+PROBE_MODULES = ("_csv", "_ctypes", "_decimal", "_hashlib", "_sqlite3", "_ssl", "zlib")
 
 
 def executable_dirs() -> list[str]:
@@ -65,6 +69,21 @@ def interpreter_paths() -> list[str]:
     return sorted({os.path.normpath(p) for p in paths + sys.path if p and os.path.isdir(p)})
 
 
+def mapped_dirs(system: tuple[str, ...]) -> list[str]:
+    """Directories of the files this process has mapped (its libraries and the loader) outside
+    `system`: where a Nix- or Guix-style interpreter finds its shared objects."""
+    dirs = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            name = parts[5].strip() if len(parts) == 6 else ""
+            if name.startswith("/") and os.path.isfile(name):
+                folder = os.path.dirname(os.path.realpath(name))
+                if not confine.is_below(folder, system + COVERED):
+                    dirs.add(folder)
+    return sorted(dirs)
+
+
 def covered_interpreter_paths(paths: list[str]) -> list[str]:
     """The outermost of `paths` that a COVERED tmpfs would hide (e.g. a venv under /tmp)."""
     inside = [p for p in paths if confine.is_below(p, COVERED)]
@@ -82,9 +101,12 @@ def prepare_mounts(cfg: dict, report: dict) -> None:
     those hid them (a venv under /tmp), the interpreter exposed to the uid, the problems' data
     covered, everything else read-only, and the work dir in the new /tmp."""
     confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
-    paths = interpreter_paths()
+    paths = sorted({*interpreter_paths(), *mapped_dirs(SYSTEM_DIRS)})
     hidden = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in covered_interpreter_paths(paths)]
     report["host_hidden"] = confine.minimal_view(paths, SYSTEM_DIRS, ETC_FILES, DEV_NODES)
+    if "/dev" in report["host_hidden"]:
+        for link, target in DEV_LINKS.items():
+            os.symlink(target, link)
     for path in COVERED:
         confine.make_dirs(path)
         confine.mount_tmpfs(path, cfg["tmpfs_mb"])
@@ -167,8 +189,26 @@ def join_cgroups(cfg: dict, report: dict) -> None:
         report["cgroup_joined"], report["cgroup_error"] = False, exc.strerror or str(exc)
 
 
+def interpreter_error(modules: list[str]) -> str:
+    """Why sys.executable cannot start and import `modules` in this view ("" when it can)."""
+    import subprocess
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-c", f"import {', '.join(modules) or 'sys'}"],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{sys.executable} does not start: {error_line(exc)}"
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        return f"{sys.executable} -c 'import {', '.join(modules)}' fails: {tail[0]}"
+    return ""
+
+
 def probe_report(cfg: dict, report: dict) -> dict:
-    """What the worker ended up with (printed in probe mode)."""
+    """What the worker ended up with (printed in probe mode); not ok when the interpreter cannot
+    start and import its extension modules in the worker's view of the host."""
+    broken = interpreter_error(report.pop("probe_modules", []))
+    if broken:
+        return {"ok": False, "error": f"the sandbox's view of the host breaks the interpreter: {broken}"}
     try:               # /proc, not if_nameindex(): that needs a netlink socket, which the filter refuses
         with open("/proc/self/net/dev") as f:
             interfaces = sorted(line.split(":")[0].strip() for line in f.readlines()[2:] if ":" in line)
@@ -279,6 +319,9 @@ def main() -> None:
     cfg: dict[str, object] = json.loads(sys.argv[1])
     job = json.loads(sys.stdin.buffer.read() or b"{}") if cfg["mode"] == "run" else {}
     report: dict[str, object] = {"pid_namespace": os.getpid() == 1}
+    if cfg["mode"] == "probe":
+        import importlib.util
+        report["probe_modules"] = [m for m in PROBE_MODULES if importlib.util.find_spec(m) is not None]
     try:
         join_cgroups(cfg, report)           # NOTE: 10-20 ms here (the kernel waits an RCU grace period)
         confine.prctl(confine.PR_SET_CHILD_SUBREAPER, 1)
