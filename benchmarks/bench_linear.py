@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import write_result
 from kernels import gemm
 from kernels.linear import Linear, linear, onednn_available
 
@@ -56,7 +57,19 @@ def variants(w: torch.Tensor) -> dict[str, Variant]:
     out: dict[str, Variant] = {"F.linear": lambda x: F.linear(x, w)}
     if gemm.available():
         native = Linear(w, panels=gemm.pack(w))
-        out["native-gemm"] = lambda x: linear(x, native)
+        widest = gemm.set_width(512)
+
+        def at_width(bits: int) -> Variant:
+            def call(x: torch.Tensor) -> torch.Tensor:
+                gemm.set_width(bits)
+                try:
+                    return linear(x, native)
+                finally:
+                    gemm.set_width(widest)
+            return call
+        out["native-gemm"] = at_width(widest)
+        if widest == 512:                                   # the AVX2 tiles on an AVX-512 CPU
+            out["native-256"] = at_width(256)
     if onednn_available():
         onednn = Linear(w, packed=torch.ops.mkldnn._reorder_linear_weight(w, None))
         out["onednn-packed"] = lambda x: linear(x, onednn)
@@ -117,7 +130,7 @@ def main() -> None:
             result["shapes"][name]["gflops"][m] = g
             print(f"  M={m:<4} " + "  ".join(f"{v} {x:6.1f} ({x / roof:4.0%})" for v, x in g.items()))
     if a.out:
-        a.out.write_text(json.dumps(result, indent=2))
+        write_result(a.out, result)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ measured next to it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.bench_decode import curve_prompts
-from benchmarks.common import warm_up_ours
+from benchmarks.common import warm_up_ours, write_result
 from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work, sgemm_gflops
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 from engine import generator as generator_module
@@ -173,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     work = model_work(model_dir)
     result = {"roofs": roofs, "threads": torch.get_num_threads(), "points": [report(pt, work, roofs) for pt in points]}
     if a.out:
-        a.out.write_text(json.dumps(result, indent=2))
+        write_result(a.out, result)
     return result
 
 

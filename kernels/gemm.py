@@ -9,7 +9,8 @@ thousands of rows and a decode step's one. The reference is F.linear (kernels/li
 Columns are split over a persistent pool of torch.get_num_threads() threads.
 
 Needs AVX2 and FMA (checked when the library is built for this CPU); `unavailable_reason()`
-says why the native path cannot be used, or None.
+says why the native path cannot be used, or None. Where the CPU has AVX-512 the tiles use
+512-bit registers (`width()`), with the same chains and so bitwise the same outputs.
 """
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ SIGNATURES = {
     "gemm_packed_floats": (_I64, [_I32, _I32]),
     "gemm_pack_f32": (_I32, [_P, _I32, _I32, _P]),
     "gemm_f32": (_I32, [_P, _I32, _I32, _I64, _P, _I32, _P, _P, _P, _I32]),
+    "gemm_width": (_I32, []),
+    "gemm_set_width": (_I32, [_I32]),
 }
+WIDTHS = (512, 256)                # AVX-512 tiles (where the CPU has them), AVX2 tiles
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -46,6 +50,25 @@ def unavailable_reason() -> Optional[str]:
 
 def available() -> bool:
     return _lib() is not None
+
+
+def width(lib: Optional[ctypes.CDLL] = None) -> int:
+    """The register width of the tiles in use: 512 (AVX-512, chosen where the CPU has it) or 256
+    (AVX2); `EVALRUN_GEMM_WIDTH=256` keeps an AVX-512 CPU on the AVX2 tiles. 0 when unavailable.
+    `lib`: another library built with gemm.c (the decode step's), else the GEMM's own."""
+    lib = lib or _lib()
+    return 0 if lib is None else lib.gemm_width()
+
+
+def set_width(bits: int, lib: Optional[ctypes.CDLL] = None) -> int:
+    """Use the 512-bit or the 256-bit tiles from now on (outputs are bitwise the same; for
+    comparisons). Returns the width in use, which stays 256 where the CPU lacks AVX-512."""
+    if bits not in WIDTHS:
+        raise ValueError(f"GEMM width {bits} is not one of {WIDTHS}")
+    lib = lib or _lib()
+    if lib is None:
+        raise ValueError(f"the native GEMM is unavailable: {unavailable_reason()}")
+    return lib.gemm_set_width(bits)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,17 @@ from kernels import gemm
 pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"native GEMM: {gemm.unavailable_reason()}")
 
 
+@pytest.fixture(params=gemm.WIDTHS, ids=lambda bits: f"{bits}bit")
+def tiles(request):
+    """Each test once on the AVX-512 tiles (skipped where the CPU lacks them) and once on AVX2's."""
+    widest = gemm.set_width(512)
+    if gemm.set_width(request.param) != request.param:
+        gemm.set_width(widest)
+        pytest.skip(f"this CPU has no {request.param}-bit tiles (AVX-512)")
+    yield request.param
+    gemm.set_width(widest)
+
+
 def _case(n: int, k: int, m: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen),
@@ -27,7 +38,7 @@ def _reference(x, w, b=None, r=None):
 
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 5), (16, 1), (17, 33), (576, 1536), (100, 64)])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13, 32, 65, 300])
-def test_gemm_matches_reference(n, k, m):
+def test_gemm_matches_reference(n, k, m, tiles):
     w, b, x, r = _case(n, k, m, seed=n * 1000 + k + m)
     panels = gemm.pack(w)
     tol = dict(rtol=1e-5, atol=1e-5 * k ** 0.5)
@@ -59,7 +70,7 @@ def test_gemm_takes_one_row_with_any_row_stride():
 
 
 @pytest.mark.parametrize("n,k,m", [(576, 1536, 64), (960, 576, 64), (960, 576, 200)])
-def test_gemm_is_batch_invariant(n, k, m):
+def test_gemm_is_batch_invariant(n, k, m, tiles):
     """Each row alone, in a batch of 3, 8 or 32, or of all m, at any position: bitwise the same
     output. The calls take different paths (1-2 rows: wide tiles; one block of rows: k-blocked
     tiles of 3-6 rows; several blocks: whole-k 6-row tiles), so this pins them to one chain."""
@@ -73,6 +84,24 @@ def test_gemm_is_batch_invariant(n, k, m):
             assert torch.equal(gemm.gemm(x[lo:lo + size], panels, n, b, r[lo:lo + size]), full[lo:lo + size])
     perm = torch.randperm(m, generator=torch.Generator().manual_seed(0))
     assert torch.equal(gemm.gemm(x[perm], panels, n, b, r[perm]), full[perm])
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 5), (576, 1536), (48, 1)])
+@pytest.mark.parametrize("m", [1, 2, 3, 9, 32, 300])
+def test_the_avx512_and_avx2_tiles_give_bitwise_the_same_outputs(n, k, m):
+    """Same chains, other register width: the results of a run cannot depend on the CPU's SIMD."""
+    widest = gemm.set_width(512)
+    if widest != 512:
+        pytest.skip("this CPU has no AVX-512: only the AVX2 tiles exist")
+    w, b, x, r = _case(n, k, m, seed=5)
+    panels = gemm.pack(w)
+    try:
+        wide = gemm.gemm(x, panels, n, b, r)
+        assert gemm.set_width(256) == 256
+        narrow = gemm.gemm(x, panels, n, b, r)
+    finally:
+        gemm.set_width(widest)
+    assert torch.equal(wide, narrow)
 
 
 def test_gemm_threads_do_not_change_results():

@@ -21,9 +21,14 @@
  * reloaded exactly, so the chain is unchanged. Columns (panels) are split over the threads of the
  * shared persistent pool (pool.h).
  *
+ * Built with AVX-512 (-march=native on a CPU that has it), the same scheme runs on 512-bit
+ * registers (one panel per register, tiles of up to 8 rows by 2 panels: run_part_z); the chains are
+ * the same, so the outputs are bitwise those of the AVX2 tiles (gemm_width, gemm_set_width).
+ *
  * Without AVX2 and FMA at compile time gemm_supported() returns 0 and nothing else may be called.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -40,6 +45,29 @@
 #define MAX_TILES (MAX_BLOCK_ROWS / 6 + 1)
 
 int gemm_supported(void) { return GEMM_SIMD; }
+
+/* The tiles in use: 512 (AVX-512, where the library was built with it) or 256 (AVX2); both give
+ * bitwise the same outputs. The first call reads EVALRUN_GEMM_WIDTH (256 keeps an AVX-512 CPU on
+ * the AVX2 tiles); gemm_set_width changes it later (for comparisons). Both return the width in use. */
+static int width_in_use;            /* 0 until chosen */
+static int widest(void) {
+#if defined(__AVX512F__)
+    return 512;
+#else
+    return GEMM_SIMD ? 256 : 0;
+#endif
+}
+int gemm_set_width(int width) {
+    width_in_use = width == 256 && widest() >= 256 ? 256 : widest();
+    return width_in_use;
+}
+int gemm_width(void) {
+    if (!width_in_use) {
+        const char *env = getenv("EVALRUN_GEMM_WIDTH");
+        gemm_set_width(env && strcmp(env, "256") == 0 ? 256 : 512);
+    }
+    return width_in_use;
+}
 
 int64_t gemm_packed_floats(int N, int K) { return (int64_t)((N + PW - 1) / PW) * PW * K; }
 
@@ -283,6 +311,121 @@ static void run_part(void *ctx, int tid, int nth) {
     }
 }
 
+
+#if defined(__AVX512F__)
+/* ---- AVX-512: a panel is one 512-bit register -------------------------------------------------
+ * The same chains as the AVX2 tiles (each output one FMA chain over k in order, the same k-blocks
+ * and carries), so both paths give bitwise the same outputs; only the register width differs. A
+ * tile is R rows (1..8) by P panels (1..4): up to 16 accumulators in registers. Rows >= 3 take
+ * 8 x 2 tiles (16 chains; per k 10 loads for 16 FMAs), one or two rows 1 x 4 and 2 x 4 tiles. */
+#define ZR 8                        /* rows per tile */
+#define ZP 2                        /* panels per tile, rows >= 3 */
+#define ZMAX_TILES (MAX_BLOCK_ROWS / ZR + 2)
+#define ZB(p) const __m512 b##p = P > p ? _mm512_loadu_ps(bp + p * ps) : _mm512_setzero_ps();
+#define ZF(r, p) if (P > p) c##r##p = _mm512_fmadd_ps(a_, b##p, c##r##p);
+#define ZROW(r)                                                                                   \
+    if (R > r) {                                                                                  \
+        const __m512 a_ = _mm512_set1_ps(x##r[k]);                                                \
+        ZF(r, 0) ZF(r, 1) ZF(r, 2) ZF(r, 3)                                                       \
+    }
+#define ZSTEP ZB(0) ZB(1) ZB(2) ZB(3) ZROW(0) ZROW(1) ZROW(2) ZROW(3) ZROW(4) ZROW(5) ZROW(6) ZROW(7)
+#define ZEACH_P(M, r) M(r, 0) M(r, 1) M(r, 2) M(r, 3)
+#define ZEACH(M) ZEACH_P(M, 0) ZEACH_P(M, 1) ZEACH_P(M, 2) ZEACH_P(M, 3) ZEACH_P(M, 4) ZEACH_P(M, 5) \
+    ZEACH_P(M, 6) ZEACH_P(M, 7)
+#define ZDECL(r, p) __m512 c##r##p = _mm512_setzero_ps();
+#define ZLOAD(r, p) if (R > r && P > p) c##r##p = _mm512_loadu_ps(carry + (r * P + p) * PW);
+#define ZSTORE(r, p) if (R > r && P > p) _mm512_storeu_ps(carry + (r * P + p) * PW, c##r##p);
+
+/* Rows x0.. (stride ldx) by panels bp, bp + ps, .. (bp at the block's first k) over kn steps
+ * from k0; carry [R][P * 16] as in ktile. The first pf_n steps prefetch one line of each of the
+ * P panels at pf (the next slice). */
+static inline __attribute__((always_inline)) void ztile(const int R, const int P, const float *x0, int64_t ldx,
+                                                       const float *bp, int64_t ps, int k0, int kn, float *carry,
+                                                       int first, const float *pf, int pf_n) {
+    const float *x1 = R > 1 ? x0 + ldx : x0, *x2 = R > 2 ? x1 + ldx : x1, *x3 = R > 3 ? x2 + ldx : x2,
+                *x4 = R > 4 ? x3 + ldx : x3, *x5 = R > 5 ? x4 + ldx : x4, *x6 = R > 6 ? x5 + ldx : x5,
+                *x7 = R > 7 ? x6 + ldx : x6;
+    ZEACH(ZDECL)
+    if (!first) { ZEACH(ZLOAD) }
+    const int ke = k0 + kn, kp = k0 + (pf_n < kn ? pf_n : kn);
+    int k = k0;
+    for (; k < kp; k++, bp += PW, pf += PW) {
+        for (int p = 0; p < P; p++) _mm_prefetch((const char *)(pf + p * ps), _MM_HINT_T0);
+        ZSTEP
+    }
+    _Pragma("GCC unroll 4") for (; k < ke; k++, bp += PW) { ZSTEP }
+    ZEACH(ZSTORE)
+}
+
+typedef void (*ZTileFn)(const float *, int64_t, const float *, int64_t, int, int, float *, int, const float *, int);
+#define ZTILE(r, p)                                                                               \
+    static void ztile##r##x##p(const float *x0, int64_t ldx, const float *bp, int64_t ps, int k0, int kn,   \
+                               float *carry, int first, const float *pf, int pf_n) {              \
+        ztile(r, p, x0, ldx, bp, ps, k0, kn, carry, first, pf, pf_n);                             \
+    }
+#define ZTILES_P(p) ZTILE(1, p) ZTILE(2, p) ZTILE(3, p) ZTILE(4, p) ZTILE(5, p) ZTILE(6, p) ZTILE(7, p) ZTILE(8, p)
+ZTILES_P(1) ZTILES_P(2) ZTILE(1, 3) ZTILE(2, 3) ZTILE(1, 4) ZTILE(2, 4)
+#define ZROW_FNS(p) {0, ztile1x##p, ztile2x##p, ztile3x##p, ztile4x##p, ztile5x##p, ztile6x##p, ztile7x##p, ztile8x##p}
+static const ZTileFn ZTILES[3][ZR + 1] = {{0}, ZROW_FNS(1), ZROW_FNS(2)};
+static const ZTileFn ZFEW[3][5] = {{0}, {0, ztile1x1, ztile1x2, ztile1x3, ztile1x4}, {0, ztile2x1, ztile2x2, ztile2x3, ztile2x4}};
+
+/* Thread tid's share: an even split of panel pairs. One or two rows: tiles of 4 panels over all
+ * of k. More rows: as run_part, in blocks that stay in L2 split into tiles of up to 8 rows, by
+ * pairs of panels, k-blocked when the rows are one block. */
+static void run_part_z(void *ctx, int tid, int nth) {
+    const Gemm *g = (const Gemm *)ctx;
+    const int units = (g->np + ZP - 1) / ZP;
+    const int ub = (int)((int64_t)units * tid / nth), ue = (int)((int64_t)units * (tid + 1) / nth);
+    const int pb = ub * ZP, pe = ue * ZP < g->np ? ue * ZP : g->np;
+    if (pb >= pe) return;
+    const int K = g->K;
+    const int64_t ps = (int64_t)K * PW;
+    float carry[ZMAX_TILES * ZR * ZP * PW];
+    if (g->M <= 2) {
+        for (int q = pb; q < pe; q += 4) {
+            const int P = pe - q < 4 ? pe - q : 4;
+            ZFEW[g->M][P](g->x, g->ldx, g->packed + q * ps, ps, 0, K, carry, 1, g->packed + (q + P) * ps,
+                          q + P < pe ? K : 0);
+            epilogue(g, 0, g->M, q, P, carry);
+        }
+        return;
+    }
+    int mc = A_BLOCK_BYTES / (K * 4);
+    mc = mc < ZR ? ZR : mc > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS - MAX_BLOCK_ROWS % ZR : mc - mc % ZR;
+    const int one_block = g->M < mc + ZR, nkb = one_block ? (K + KC - 1) / KC : 1, kc = (K + nkb - 1) / nkb;
+    for (int i0 = 0, i1; i0 < g->M; i0 = i1) {
+        i1 = i0 + mc < g->M ? i0 + mc : g->M;
+        if (g->M - i1 < ZR) i1 = g->M;
+        const int n = i1 - i0, t = (n + ZR - 1) / ZR;
+        for (int q = pb; q < pe; q += ZP) {
+            const int P = pe - q < ZP ? pe - q : ZP;
+            const float *panel = g->packed + q * ps;
+            for (int k0 = 0; k0 < K; k0 += kc) {
+                const int kn = k0 + kc <= K ? kc : K - k0;
+                const int rest = k0 + kn < K ? K - k0 - kn : (q + P < pe ? K : 0);
+                const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
+                const float *next = k0 + kn < K ? panel + (int64_t)(k0 + kn) * PW : panel + P * ps;
+                for (int j = 0, i = i0; j < t; j++) {
+                    const int R = n / t + (j < n % t);
+                    const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
+                    ZTILES[P][R](g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, ps, k0, kn,
+                                 carry + j * ZR * ZP * PW, k0 == 0, next + (int64_t)lo * PW, hi - lo);
+                    i += R;
+                }
+            }
+            for (int j = 0, i = i0; j < t; j++) {
+                const int R = n / t + (j < n % t);
+                epilogue(g, i, R, q, P, carry + j * ZR * ZP * PW);
+                i += R;
+            }
+        }
+    }
+}
+#define GEMM_Z 1
+#else
+#define GEMM_Z 0
+#endif
+
 #endif
 
 /* Returns 0, or 1 (nothing done) when the library lacks AVX2/FMA or a size is invalid. */
@@ -296,6 +439,9 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
     if (nth > g.np) nth = g.np;
     /* below ~64k multiply-adds a second thread costs more than it saves */
     if ((int64_t)M * N * K < 65536) nth = 1;
+#if GEMM_Z
+    if (gemm_width() == 512) return evalrun_pool_run(run_part_z, &g, nth);
+#endif
     return evalrun_pool_run(run_part, &g, nth);
 #else
     (void)x; (void)M; (void)K; (void)ldx; (void)packed; (void)N; (void)bias; (void)residual; (void)y;
