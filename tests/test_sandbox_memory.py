@@ -15,12 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from sandbox_helpers import LEVELS, REPO, he_spec, open_sandbox, right_only_if
 
 from tasks.sandbox import SandboxLimits
-from tasks.sandbox.memcg import find_root
+from tasks.sandbox.memcg import CheckCgroup, find_root
 
 LIMITS = SandboxLimits(timeout=10.0, memory_mb=64)
 NOBODY = 65534
@@ -144,3 +146,28 @@ def test_a_harness_without_root_cannot_make_a_cgroup_and_says_why(tmp_path):
         pytest.skip(f"the unprivileged user cannot run this interpreter: {proc.stderr[-300:]}")
     none, why = json.loads(proc.stdout.strip().splitlines()[-1])
     assert none and why, proc.stdout
+
+
+def test_adopt_moves_a_process_and_the_child_it_forked():
+    """The harness moves the launcher (or `unshare --fork` and the launcher it forked) into the
+    check's cgroup while its interpreter starts; whatever it moved is a member."""
+    root = find_root()[0]
+    if root is None:
+        pytest.skip(f"no cgroup can be made here: {find_root()[1]}")
+    cgroup = CheckCgroup(root, 256 << 20, None)
+    parent = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while not Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split():
+            assert time.monotonic() < deadline, "sh did not fork"
+            time.sleep(0.01)
+        child = int(Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()[0])
+        cgroup.adopt(parent.pid)
+        for procs in cgroup.procs_files:
+            members = Path(procs).read_text().split()
+            assert str(parent.pid) in members and str(child) in members, (procs, members)
+    finally:
+        parent.kill()
+        parent.wait()
+        cgroup.remove()
+    assert not any(os.path.exists(d) for d in cgroup.dirs)

@@ -114,6 +114,7 @@ class CheckRun:
         self._checker: Optional[subprocess.Popen] = None
         self._workdir: Optional[str] = None
         self._cgroup: Optional[CheckCgroup] = None
+        self._adopting: Optional[threading.Thread] = None   # moves the launcher into the cgroup early
         self._pending: dict[int, tuple[subprocess.Popen, memoryview]] = {}   # stdin data still to send
 
     def abort(self) -> None:
@@ -158,6 +159,9 @@ class CheckRun:
             launcher_argv(self.iso.level, self.python, cfg), stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
             pass_fds=fds, env=worker_env(workdir), cwd="/", start_new_session=True)
         self._fds["worker_pidfd"] = os.pidfd_open(self._worker.pid)
+        if self._cgroup is not None:
+            self._adopting = threading.Thread(target=self._cgroup.adopt, args=(self._worker.pid,), daemon=True)
+            self._adopting.start()
         job = {"program": self.spec.program, "entry_point": self.spec.entry_point}
         self._pending[self._worker.stdin.fileno()] = (self._worker, memoryview(json.dumps(job).encode()))
 
@@ -252,6 +256,8 @@ class CheckRun:
     def _stop(self) -> None:
         """Kill and reap everything of this check. NOTE: groups are killed before reaping.
         What cannot be killed is logged and recorded in the outcome (the check cannot pass)."""
+        if self._adopting is not None:
+            self._adopting.join()       # NOTE: before any reaping, so the pids it moves are still ours
         lifeline = self._fds.pop("lifeline", None)
         if lifeline is not None:
             os.close(lifeline)          # the launcher ends the worker and exits

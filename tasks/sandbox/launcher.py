@@ -171,6 +171,13 @@ def set_oom_score_adj(value: int) -> bool:
         return False
 
 
+def in_cgroup(procs_file: str) -> bool:
+    """Whether this process is a member of the cgroup of `procs_file` (which lists its members'
+    pids as seen from this PID namespace)."""
+    with open(procs_file) as f:
+        return str(os.getpid()) in f.read().split()
+
+
 def join_cgroups(cfg: dict, report: dict) -> None:
     """Move this process (so the worker it forks, and all below) into the check's cgroups (memcg.py),
     where the OOM killer is to spare it (the worker it forks asks to be chosen first: pages of a
@@ -178,8 +185,9 @@ def join_cgroups(cfg: dict, report: dict) -> None:
     In probe mode a failure is reported instead of raised."""
     try:
         for path in cfg["cgroup_procs"]:
-            with open(path, "w") as f:
-                f.write("0")
+            if not in_cgroup(path):                  # the harness may have moved us already
+                with open(path, "w") as f:
+                    f.write("0")
         if cfg["cgroup_procs"]:
             report["launcher_oom_protected"] = set_oom_score_adj(-1000)
         report["cgroup_joined"] = bool(cfg["cgroup_procs"])
@@ -323,7 +331,7 @@ def main() -> None:
         import importlib.util
         report["probe_modules"] = [m for m in PROBE_MODULES if importlib.util.find_spec(m) is not None]
     try:
-        join_cgroups(cfg, report)           # NOTE: 10-20 ms here (the kernel waits an RCU grace period)
+        join_cgroups(cfg, report)           # NOTE: 10-20 ms (an RCU grace period) unless the harness moved us
         confine.prctl(confine.PR_SET_CHILD_SUBREAPER, 1)
         if cfg["level"] in NAMESPACE_LEVELS:
             prepare_mounts(cfg, report)

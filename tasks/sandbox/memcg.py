@@ -180,6 +180,20 @@ class CheckCgroup:
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
 
+    def adopt(self, pid: int) -> None:
+        """Move process `pid`, then its children (`unshare --fork`'s launcher, if it has forked by
+        then), into the cgroup, from the harness while the launcher's interpreter starts: the first
+        move waits an RCU grace period (10-20 ms), which then overlaps that start instead of
+        following it. Best effort: the launcher joins by itself whatever this did not move."""
+        try:
+            for path in self.procs_files:
+                _write_pid(path, pid)
+            for child in _children(pid):       # read after the (slow) first move: forked by now
+                for path in self.procs_files:
+                    _write_pid(path, child)
+        except OSError:
+            pass                               # gone, or not ours to move: the launcher joins
+
     def oom_killed(self) -> bool:
         """Whether the OOM killer ended a process of the cgroup (its memory limit was hit). The
         counter is oom_kill (v2 memory.events, v1 memory.oom_control): v2's "max" also counts
@@ -242,6 +256,19 @@ def _drain_and_remove(d: str, deadline: float) -> None:
 def _pids(d: str) -> list[int]:
     try:
         with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _write_pid(procs_file: str, pid: int) -> None:
+    with open(procs_file, "w") as f:
+        f.write(str(pid))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(x) for x in f.read().split()]
     except (OSError, ValueError):
         return []
