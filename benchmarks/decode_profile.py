@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.bench_decode import curve_prompts
+from benchmarks.decode_curve import curve_prompts
 from benchmarks.common import warm_up_ours, write_result
 from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work, sgemm_gflops
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
