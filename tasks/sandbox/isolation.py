@@ -48,7 +48,9 @@ def check_cgroup(root: Optional[CgroupRoot], limits: SandboxLimits, drops_uid: b
 
 
 def pids_max(limits: SandboxLimits) -> int:
-    return limits.max_processes + 1          # and the launcher
+    # and the launcher, and at the namespace levels the unshare that forked it (the harness moves
+    # unshare in early, so that the launcher it forks starts inside: CheckCgroup.adopt)
+    return limits.max_processes + 2
 
 
 def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str, report: dict) -> dict[str, Any]:
