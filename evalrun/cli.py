@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
 import warnings
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from evalrun import __version__
 
@@ -197,12 +198,18 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _one_line_warnings(command: str) -> None:
+@contextlib.contextmanager
+def _one_line_warnings(command: str) -> Iterator[None]:
     """Our warnings (a damaged part moved aside, a rebuilt samples.parquet) as one line each,
-    "evalrun mmlu: warning: ...", not Python's two-line file:line form."""
+    "evalrun mmlu: warning: ...", not Python's two-line file:line form; restored on the way out
+    (main() may run inside a caller's process)."""
     def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001 - warnings' signature
         return f"evalrun {command}: warning: {message}\n"
-    warnings.formatwarning = fmt
+    previous, warnings.formatwarning = warnings.formatwarning, fmt
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -212,11 +219,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from evalrun.errors import BadInput, RunFailed, as_bad_input
     _exit_on_sigterm()
-    _one_line_warnings(args.command)
     if hasattr(args, "cache_modes"):
         args.cache_mode = args.cache_modes[0]          # one run's mode; a sweep sets each in turn
+    with _one_line_warnings(args.command):
+        return _run(parser, args, argv)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+    from evalrun.errors import BadInput, RunFailed, as_bad_input
     try:
         if args.command == "mmlu":
             from evalrun.mmlu_cmd import run_mmlu

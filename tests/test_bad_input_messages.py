@@ -141,10 +141,11 @@ def test_zero_row_mmlu_test_file(tiny_model_dir, tmp_path, capsys):
     _one_error_line(capsys, str(data / "test.parquet"), "no questions")
 
 
-def test_cli_warnings_are_one_line(monkeypatch):
+def test_cli_warnings_are_one_line_and_the_callers_format_comes_back():
     import warnings
     from evalrun.cli import _one_line_warnings
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)     # restored after the test
-    _one_line_warnings("mmlu")
-    assert warnings.formatwarning("part x moved aside", UserWarning, "/a/b.py", 7) == \
-        "evalrun mmlu: warning: part x moved aside\n"
+    before = warnings.formatwarning
+    with _one_line_warnings("mmlu"):
+        assert warnings.formatwarning("part x moved aside", UserWarning, "/a/b.py", 7) == \
+            "evalrun mmlu: warning: part x moved aside\n"
+    assert warnings.formatwarning is before

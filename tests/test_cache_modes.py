@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import numpy as np
 import pytest
 import torch
 
@@ -137,8 +138,7 @@ def test_mmlu_under_eviction_in_q4_predicts_what_a_large_cache_does(tiny_kv32_di
     assert summary["this_session"]["generator"]["pages_evicted"] > 0
     frames = [pd.read_parquet(d / "samples").sort_values(["subject", "doc_id"]) for d in (large, small)]
     assert list(frames[0].prediction) == list(frames[1].prediction)
-    a = torch.tensor(frames[0].choice_logprobs.tolist())
-    b = torch.tensor(frames[1].choice_logprobs.tolist())
+    a, b = (torch.tensor(np.stack(f.choice_logprobs.tolist())) for f in frames)
     torch.testing.assert_close(a, b, atol=1e-2, rtol=0)
 
 
