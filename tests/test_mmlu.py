@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -144,8 +145,8 @@ def test_batch_invariance_fp32(tiny_model_dir, tmp_path):
         frames.append(_samples(out))
     for other in frames[1:]:
         assert list(other.prediction) == list(frames[0].prediction)
-        a = torch.tensor(frames[0].choice_logprobs.tolist())
-        b = torch.tensor(other.choice_logprobs.tolist())
+        a = torch.tensor(np.stack(frames[0].choice_logprobs.tolist()))
+        b = torch.tensor(np.stack(other.choice_logprobs.tolist()))
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
