@@ -57,7 +57,7 @@ def variants(w: torch.Tensor) -> dict[str, Variant]:
     out: dict[str, Variant] = {"F.linear": lambda x: F.linear(x, w)}
     if gemm.available():
         native = Linear(w, panels=gemm.pack(w))
-        widest = gemm.set_width(512)
+        in_use = gemm.width()                               # the CPU's widest, or EVALRUN_GEMM_WIDTH's
 
         def at_width(bits: int) -> Variant:
             def call(x: torch.Tensor) -> torch.Tensor:
@@ -65,10 +65,10 @@ def variants(w: torch.Tensor) -> dict[str, Variant]:
                 try:
                     return linear(x, native)
                 finally:
-                    gemm.set_width(widest)
+                    gemm.set_width(in_use)
             return call
-        out["native-gemm"] = at_width(widest)
-        if widest == 512:                                   # the AVX2 tiles on an AVX-512 CPU
+        out["native-gemm"] = at_width(in_use)
+        if in_use == 512:                                   # the AVX2 tiles on an AVX-512 CPU
             out["native-256"] = at_width(256)
     if onednn_available():
         onednn = Linear(w, packed=torch.ops.mkldnn._reorder_linear_weight(w, None))

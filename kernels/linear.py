@@ -73,6 +73,10 @@ def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
     if choice == "native":
         reason = gemm.unavailable_reason()
         if reason is None:
+            asked = os.environ.get("EVALRUN_GEMM_WIDTH")
+            if asked is not None and asked not in ("256", "512"):
+                _note_once(f"EVALRUN_GEMM_WIDTH={asked!r} is not 256 or 512: "
+                           f"the GEMM uses {gemm.width()}-bit tiles")
             return "native-gemm"
         _note_once(f"float32 linears: {reason}; using oneDNN or torch instead", quiet=not native.enabled())
         choice = "onednn"

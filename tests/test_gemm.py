@@ -17,12 +17,12 @@ pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"native GEMM: {gem
 @pytest.fixture(params=gemm.WIDTHS, ids=lambda bits: f"{bits}bit")
 def tiles(request):
     """Each test once on the AVX-512 tiles (skipped where the CPU lacks them) and once on AVX2's."""
-    widest = gemm.set_width(512)
+    before = gemm.width()
     if gemm.set_width(request.param) != request.param:
-        gemm.set_width(widest)
+        gemm.set_width(before)
         pytest.skip(f"this CPU has no {request.param}-bit tiles (AVX-512)")
     yield request.param
-    gemm.set_width(widest)
+    gemm.set_width(before)
 
 
 def _case(n: int, k: int, m: int, seed: int):
@@ -90,8 +90,8 @@ def test_gemm_is_batch_invariant(n, k, m, tiles):
 @pytest.mark.parametrize("m", [1, 2, 3, 9, 32, 300])
 def test_the_avx512_and_avx2_tiles_give_bitwise_the_same_outputs(n, k, m):
     """Same chains, other register width: the results of a run cannot depend on the CPU's SIMD."""
-    widest = gemm.set_width(512)
-    if widest != 512:
+    before = gemm.width()
+    if gemm.set_width(512) != 512:
         pytest.skip("this CPU has no AVX-512: only the AVX2 tiles exist")
     w, b, x, r = _case(n, k, m, seed=5)
     panels = gemm.pack(w)
@@ -100,7 +100,7 @@ def test_the_avx512_and_avx2_tiles_give_bitwise_the_same_outputs(n, k, m):
         assert gemm.set_width(256) == 256
         narrow = gemm.gemm(x, panels, n, b, r)
     finally:
-        gemm.set_width(widest)
+        gemm.set_width(before)
     assert torch.equal(wide, narrow)
 
 

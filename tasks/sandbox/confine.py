@@ -150,7 +150,8 @@ def minimal_view(keep: Iterable[str], system: Iterable[str], etc_files: Iterable
     path (/home -> var/home keeps /var/home/...). Symlinks at the top level (e.g. /bin -> usr/bin)
     are left: they lead into kept paths or nowhere. Returns what was covered."""
     keep = [k for k in keep if os.path.exists(k)]
-    keep = outermost([*keep, *(os.path.realpath(k) for k in keep)])
+    # NOTE: never "/" (a file mapped from the root, a link resolving there): it would keep everything
+    keep = [k for k in outermost([*keep, *(os.path.realpath(k) for k in keep)]) if k != "/"]
     system, covered = tuple(system), []
     names = sorted(os.listdir("/"))
     for top in ("/" + name for name in names):         # files first: /dev/null is still the host's

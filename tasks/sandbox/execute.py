@@ -152,7 +152,7 @@ class CheckRun:
             if self.uid is not None:
                 os.chown(self._workdir, self.uid, self.uid)
         workdir = self._workdir or NAMESPACE_WORKDIR
-        self._cgroup = check_cgroup(self.iso.cgroup, self.limits, self.iso.drops_uid)
+        self._cgroup = check_cgroup(self.iso.cgroup, self.limits, self.iso.drops_uid, self.iso.level)
         cfg = launcher_config("run", self.iso.level, self.uid, workdir, self.limits, fds, self.iso.ro_skip,
                               self._cgroup, self.hidden)
         self._worker = subprocess.Popen(
@@ -160,8 +160,12 @@ class CheckRun:
             pass_fds=fds, env=worker_env(workdir), cwd="/", start_new_session=True)
         self._fds["worker_pidfd"] = os.pidfd_open(self._worker.pid)
         if self._cgroup is not None:
-            self._adopting = threading.Thread(target=self._cgroup.adopt, args=(self._worker.pid,), daemon=True)
-            self._adopting.start()
+            adopting = threading.Thread(target=self._cgroup.adopt, args=(self._worker.pid,), daemon=True)
+            try:
+                adopting.start()
+                self._adopting = adopting       # only a started thread is joined by _stop
+            except RuntimeError:                # no thread to be had: the launcher joins by itself
+                pass
         job = {"program": self.spec.program, "entry_point": self.spec.entry_point}
         self._pending[self._worker.stdin.fileno()] = (self._worker, memoryview(json.dumps(job).encode()))
 

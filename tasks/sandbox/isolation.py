@@ -39,18 +39,20 @@ class Isolation:
     cgroup: Optional[CgroupRoot] = None   # each check gets a memory/pids cgroup under this (memcg.py)
 
 
-def check_cgroup(root: Optional[CgroupRoot], limits: SandboxLimits, drops_uid: bool) -> Optional[CheckCgroup]:
+def check_cgroup(root: Optional[CgroupRoot], limits: SandboxLimits, drops_uid: bool,
+                 level: str) -> Optional[CheckCgroup]:
     """A check's cgroup under `root` with the limits' memory bound (None without root), and a process
     bound where RLIMIT_NPROC does not hold one (the worker keeps uid 0 or the caller's uid)."""
     if root is None:
         return None
-    return CheckCgroup(root, (limits.memory_mb + CGROUP_OVERHEAD_MB) << 20, None if drops_uid else pids_max(limits))
+    return CheckCgroup(root, (limits.memory_mb + CGROUP_OVERHEAD_MB) << 20,
+                       None if drops_uid else pids_max(limits, level))
 
 
-def pids_max(limits: SandboxLimits) -> int:
+def pids_max(limits: SandboxLimits, level: str) -> int:
     # and the launcher, and at the namespace levels the unshare that forked it (the harness moves
     # unshare in early, so that the launcher it forks starts inside: CheckCgroup.adopt)
-    return limits.max_processes + 2
+    return limits.max_processes + (1 if level == "basic" else 2)
 
 
 def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str, report: dict) -> dict[str, Any]:
@@ -61,7 +63,7 @@ def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str, report: di
         refused = "memfd_create and shmget refused"
     if iso.cgroup is not None:
         return {"kind": f"cgroup v{iso.cgroup.version}", "limit_mb": limits.memory_mb + CGROUP_OVERHEAD_MB,
-                "pids_max": pids_max(limits) if iso.cgroup.pids_dir and not iso.drops_uid else None,
+                "pids_max": pids_max(limits, iso.level) if iso.cgroup.pids_dir and not iso.drops_uid else None,
                 "swap": "bounded" if iso.cgroup.swap_bounded() else "NOT bounded: pages can go to swap (swap is on "
                         "and the kernel does not account it per cgroup)",
                 "memfd_and_shm": "charged to the check's cgroup" + (
@@ -114,7 +116,7 @@ def probe(level: str, python: str, limits: SandboxLimits, uid: Optional[int],
         if level == "basic" and uid is not None:
             os.chown(workdir, uid, uid)
         try:
-            cgroup = check_cgroup(cgroup_root, limits, uid is not None)
+            cgroup = check_cgroup(cgroup_root, limits, uid is not None, level)
         except OSError as exc:                     # the probe reports it; checks then run without one
             cgroup = None
             cgroup_error = f"cannot make a check cgroup: {exc.strerror or exc}"

@@ -198,11 +198,14 @@ def join_cgroups(cfg: dict, report: dict) -> None:
 
 
 def interpreter_error(modules: list[str]) -> str:
-    """Why sys.executable cannot start and import `modules` in this view ("" when it can)."""
+    """Why sys.executable cannot start and import `modules` in this view ("" when it can, or when
+    the limits leave no process to try it with: a tight max_processes is not a broken view)."""
     import subprocess
     try:
         proc = subprocess.run([sys.executable, "-I", "-c", f"import {', '.join(modules) or 'sys'}"],
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=20)   # < the probe's 30 s
+    except BlockingIOError:
+        return ""
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{sys.executable} does not start: {error_line(exc)}"
     if proc.returncode != 0:

@@ -190,6 +190,10 @@ class CheckCgroup:
                 _write_pid(path, pid)
             for child in _children(pid):       # read after the (slow) first move: forked by now
                 for path in self.procs_files:
+                    # NOTE: a child that exited and was reaped could have its pid reused; checked
+                    # just before each write (a reuse in between needs a wrap of the pid space)
+                    if _parent(child) != pid:
+                        return
                     _write_pid(path, child)
         except OSError:
             pass                               # gone, or not ours to move: the launcher joins
@@ -272,6 +276,14 @@ def _children(pid: int) -> list[int]:
             return [int(x) for x in f.read().split()]
     except (OSError, ValueError):
         return []
+
+
+def _parent(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _rmdir(d: str) -> None:
