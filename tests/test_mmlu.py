@@ -212,7 +212,7 @@ def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     a, b = _samples(full), _samples(out)
     assert not b[["subject", "doc_id"]].duplicated().any()
     pd.testing.assert_frame_equal(a[cols].reset_index(drop=True), b[cols].reset_index(drop=True))
-    torch.testing.assert_close(torch.tensor(list(a.choice_logprobs)), torch.tensor(list(b.choice_logprobs)),
+    torch.testing.assert_close(torch.tensor(np.stack(list(a.choice_logprobs))), torch.tensor(np.stack(list(b.choice_logprobs))),
                                atol=1e-5, rtol=0)
 
 
