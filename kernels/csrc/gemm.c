@@ -42,7 +42,7 @@
 #define PW 16                       /* columns per panel */
 #define A_BLOCK_BYTES (192 * 1024)  /* rows of x kept hot while the panels stream */
 #define MAX_BLOCK_ROWS 120          /* and at most this many (a multiple of 6) */
-#define MAX_TILES (MAX_BLOCK_ROWS / 6 + 1)
+#define CARRY_FLOATS ((MAX_BLOCK_ROWS / 6 + 2) * 8 * 2 * PW)   /* every tile of a block, either width */
 
 int gemm_supported(void) { return GEMM_SIMD; }
 
@@ -255,60 +255,77 @@ static void few_rows(const Gemm *g, int pb, int pe) {
     for (; p < pe; p++) tile_rows(g, 0, g->M, p);
 }
 
-/* Thread tid's share: a contiguous range of panels, all rows. One or two rows (a memory-bound
- * decode step) go through the wide 1 x 64 and 2 x 48 tiles. More rows go in blocks that stay in
- * L2, split evenly into tiles of at most 6 rows (32 rows: 6,6,5,5,5,5, not 5 x 6 and a 2-row
- * tail); for each panel and each k-block every tile of the block runs on the block's slice while
- * it is in L1, and the tiles prefetch the next slice of the weights between them (in a decode
- * step the weights stream from memory). */
-static void run_part(void *ctx, int tid, int nth) {
-    const Gemm *g = (const Gemm *)ctx;
-    /* an even split of the panels */
-    const int pb = (int)((int64_t)g->np * tid / nth), pe = (int)((int64_t)g->np * (tid + 1) / nth);
-    if (pb >= pe) return;
+/* A tile call of either width: rows x0.. (stride ldx) by P panels from bp (panel stride ps) over
+ * k in [k0, k0 + kn); carry [R][P * 16]; prefetching pf_n lines of each panel of the next slice pf. */
+typedef void (*AnyTile)(int R, int P, const float *x0, int64_t ldx, const float *bp, int64_t ps, int k0, int kn,
+                        float *carry, int first, const float *pf, int pf_n);
+
+/* Rows >= 3 over panels [pb, pe): blocks of rows that stay in L2, split evenly into tiles of at
+ * most MR rows (32 rows at MR 6: 6,6,5,5,5,5, not 5 x 6 and a 2-row tail), by groups of PG panels
+ * (the last group may be smaller); for each group and each k-block every tile of the block runs on
+ * the block's slice while it is in L1, and the tiles prefetch the next slice of the weights between
+ * them (in a decode step the weights stream from memory). */
+static void blocked_rows(const Gemm *g, int pb, int pe, const int MR, const int PG, AnyTile tile) {
     const int K = g->K;
-    if (g->M <= 2) {
-        few_rows(g, pb, pe);
-        return;
-    }
     const int64_t ps = (int64_t)K * PW;
     int mc = A_BLOCK_BYTES / (K * 4);
-    mc = mc < 6 ? 6 : mc > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS : mc - mc % 6;
+    mc = mc < MR ? MR : mc > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS - MAX_BLOCK_ROWS % MR : mc - mc % MR;
     /* k-blocks when the rows are one block (a decode step: weights stream from memory once);
      * many blocks (prefill) run each tile over all of k, which saves the carry traffic */
-    const int one_block = g->M < mc + 6, nkb = one_block ? (K + KC - 1) / KC : 1, kc = (K + nkb - 1) / nkb;
-    float carry[MAX_TILES * 6 * PW];
+    const int one_block = g->M < mc + MR, nkb = one_block ? (K + KC - 1) / KC : 1, kc = (K + nkb - 1) / nkb;
+    float carry[CARRY_FLOATS];
+    const int stride = MR * PG * PW;                 /* one tile's carry */
     for (int i0 = 0, i1; i0 < g->M; i0 = i1) {
-        /* blocks of mc rows (6-row tiles); the last block takes the rest (and a rest under 6 rows
-         * joins the block before it), split into even tiles of up to 6 (32 rows: 6 6 5 5 5 5, where
-         * 6-row tiles would leave a 2-row tile with too few chains) */
+        /* blocks of mc rows; the last block takes the rest (and a rest under MR rows joins the
+         * block before it), split into even tiles */
         i1 = i0 + mc < g->M ? i0 + mc : g->M;
-        if (g->M - i1 < 6) i1 = g->M;
-        const int n = i1 - i0, t = (n + 5) / 6;
-        for (int q = pb; q < pe; q++) {
+        if (g->M - i1 < MR) i1 = g->M;
+        const int n = i1 - i0, t = (n + MR - 1) / MR;
+        for (int q = pb; q < pe; q += PG) {
+            const int P = pe - q < PG ? pe - q : PG;
             const float *panel = g->packed + q * ps;
             for (int k0 = 0; k0 < K; k0 += kc) {
                 const int kn = k0 + kc <= K ? kc : K - k0;
-                /* the slice after this one (the rest of this panel, else the next panel's first),
+                /* the slice after this one (the rest of these panels, else the next group's first),
                  * prefetched in equal parts by the tiles */
-                const int rest = k0 + kn < K ? K - k0 - kn : (q + 1 < pe ? K : 0);
+                const int rest = k0 + kn < K ? K - k0 - kn : (q + P < pe ? K : 0);
                 const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
-                const float *next = panel + (int64_t)(k0 + kn) * PW;
+                const float *next = k0 + kn < K ? panel + (int64_t)(k0 + kn) * PW : panel + P * ps;
                 for (int j = 0, i = i0; j < t; j++) {
                     const int R = n / t + (j < n % t);
                     const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
-                    TILES[R](g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, k0, kn,
-                             carry + j * 6 * PW, k0 == 0, next + (int64_t)lo * PW, hi - lo);
+                    tile(R, P, g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, ps, k0, kn,
+                         carry + j * stride, k0 == 0, next + (int64_t)lo * PW, hi - lo);
                     i += R;
                 }
             }
             for (int j = 0, i = i0; j < t; j++) {
                 const int R = n / t + (j < n % t);
-                epilogue(g, i, R, q, 1, carry + j * 6 * PW);
+                epilogue(g, i, R, q, P, carry + j * stride);
                 i += R;
             }
         }
     }
+}
+
+static void avx2_tile(int R, int P, const float *x0, int64_t ldx, const float *bp, int64_t ps, int k0, int kn,
+                      float *carry, int first, const float *pf, int pf_n) {
+    (void)P; (void)ps;                               /* one panel */
+    TILES[R](x0, ldx, bp, k0, kn, carry, first, pf, pf_n);
+}
+
+/* Thread tid's share: a contiguous range of panels, all rows. One or two rows (a memory-bound
+ * decode step) go through the wide 1 x 64 and 2 x 48 tiles, more rows through blocked_rows' tiles
+ * of up to 6 rows by one panel. */
+static void run_part(void *ctx, int tid, int nth) {
+    const Gemm *g = (const Gemm *)ctx;
+    /* an even split of the panels */
+    const int pb = (int)((int64_t)g->np * tid / nth), pe = (int)((int64_t)g->np * (tid + 1) / nth);
+    if (pb >= pe) return;
+    if (g->M <= 2)
+        few_rows(g, pb, pe);
+    else
+        blocked_rows(g, pb, pe, 6, 1, avx2_tile);
 }
 
 
@@ -320,7 +337,6 @@ static void run_part(void *ctx, int tid, int nth) {
  * 8 x 2 tiles (16 chains; per k 10 loads for 16 FMAs), one or two rows 1 x 4 and 2 x 4 tiles. */
 #define ZR 8                        /* rows per tile */
 #define ZP 2                        /* panels per tile, rows >= 3 */
-#define ZMAX_TILES (MAX_BLOCK_ROWS / ZR + 2)
 #define ZB(p) const __m512 b##p = P > p ? _mm512_loadu_ps(bp + p * ps) : _mm512_setzero_ps();
 #define ZF(r, p) if (P > p) c##r##p = _mm512_fmadd_ps(a_, b##p, c##r##p);
 #define ZROW(r)                                                                                   \
@@ -369,56 +385,30 @@ ZTILES_P(1) ZTILES_P(2) ZTILE(1, 3) ZTILE(2, 3) ZTILE(1, 4) ZTILE(2, 4)
 static const ZTileFn ZTILES[3][ZR + 1] = {{0}, ZROW_FNS(1), ZROW_FNS(2)};
 static const ZTileFn ZFEW[3][5] = {{0}, {0, ztile1x1, ztile1x2, ztile1x3, ztile1x4}, {0, ztile2x1, ztile2x2, ztile2x3, ztile2x4}};
 
+static void ztile_any(int R, int P, const float *x0, int64_t ldx, const float *bp, int64_t ps, int k0, int kn,
+                      float *carry, int first, const float *pf, int pf_n) {
+    ZTILES[P][R](x0, ldx, bp, ps, k0, kn, carry, first, pf, pf_n);
+}
+
 /* Thread tid's share: an even split of panel pairs. One or two rows: tiles of 4 panels over all
- * of k. More rows: as run_part, in blocks that stay in L2 split into tiles of up to 8 rows, by
- * pairs of panels, k-blocked when the rows are one block. */
+ * of k. More rows: blocked_rows with tiles of up to 8 rows by 2 panels. */
 static void run_part_z(void *ctx, int tid, int nth) {
     const Gemm *g = (const Gemm *)ctx;
     const int units = (g->np + ZP - 1) / ZP;
     const int ub = (int)((int64_t)units * tid / nth), ue = (int)((int64_t)units * (tid + 1) / nth);
     const int pb = ub * ZP, pe = ue * ZP < g->np ? ue * ZP : g->np;
     if (pb >= pe) return;
-    const int K = g->K;
-    const int64_t ps = (int64_t)K * PW;
-    float carry[ZMAX_TILES * ZR * ZP * PW];
-    if (g->M <= 2) {
-        for (int q = pb; q < pe; q += 4) {
-            const int P = pe - q < 4 ? pe - q : 4;
-            ZFEW[g->M][P](g->x, g->ldx, g->packed + q * ps, ps, 0, K, carry, 1, g->packed + (q + P) * ps,
-                          q + P < pe ? K : 0);
-            epilogue(g, 0, g->M, q, P, carry);
-        }
+    if (g->M > 2) {
+        blocked_rows(g, pb, pe, ZR, ZP, ztile_any);
         return;
     }
-    int mc = A_BLOCK_BYTES / (K * 4);
-    mc = mc < ZR ? ZR : mc > MAX_BLOCK_ROWS ? MAX_BLOCK_ROWS - MAX_BLOCK_ROWS % ZR : mc - mc % ZR;
-    const int one_block = g->M < mc + ZR, nkb = one_block ? (K + KC - 1) / KC : 1, kc = (K + nkb - 1) / nkb;
-    for (int i0 = 0, i1; i0 < g->M; i0 = i1) {
-        i1 = i0 + mc < g->M ? i0 + mc : g->M;
-        if (g->M - i1 < ZR) i1 = g->M;
-        const int n = i1 - i0, t = (n + ZR - 1) / ZR;
-        for (int q = pb; q < pe; q += ZP) {
-            const int P = pe - q < ZP ? pe - q : ZP;
-            const float *panel = g->packed + q * ps;
-            for (int k0 = 0; k0 < K; k0 += kc) {
-                const int kn = k0 + kc <= K ? kc : K - k0;
-                const int rest = k0 + kn < K ? K - k0 - kn : (q + P < pe ? K : 0);
-                const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
-                const float *next = k0 + kn < K ? panel + (int64_t)(k0 + kn) * PW : panel + P * ps;
-                for (int j = 0, i = i0; j < t; j++) {
-                    const int R = n / t + (j < n % t);
-                    const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
-                    ZTILES[P][R](g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, ps, k0, kn,
-                                 carry + j * ZR * ZP * PW, k0 == 0, next + (int64_t)lo * PW, hi - lo);
-                    i += R;
-                }
-            }
-            for (int j = 0, i = i0; j < t; j++) {
-                const int R = n / t + (j < n % t);
-                epilogue(g, i, R, q, P, carry + j * ZR * ZP * PW);
-                i += R;
-            }
-        }
+    const int64_t ps = (int64_t)g->K * PW;
+    float carry[2 * 4 * PW];
+    for (int q = pb; q < pe; q += 4) {
+        const int P = pe - q < 4 ? pe - q : 4;
+        ZFEW[g->M][P](g->x, g->ldx, g->packed + q * ps, ps, 0, g->K, carry, 1, g->packed + (q + P) * ps,
+                      q + P < pe ? g->K : 0);
+        epilogue(g, 0, g->M, q, P, carry);
     }
 }
 #define GEMM_Z 1
