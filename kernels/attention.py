@@ -182,15 +182,18 @@ def _causal_mask(q_len: int, k_len: int, device: torch.device) -> Optional[torch
 
 
 DecodeFn = Callable[[torch.Tensor, LayerKV, AttentionMetadata, float], torch.Tensor]
+# the prefill sequences of the whole batch's q at once: -> [rows from the first prefill row on, Hq, D]
+PrefillFn = Callable[[torch.Tensor, LayerKV, AttentionMetadata, float], torch.Tensor]
 RotateFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
            decode: Optional[DecodeFn] = None, rotation: RotateFn = rotate,
-           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+           k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+           prefill: Optional[PrefillFn] = None) -> torch.Tensor:
     """Paged attention of every sequence of the batch, in q's dtype [T, Hq, D]: the decode
-    group through `decode` (default: the torch reference), prefill sequences through SDPA
-    on their gathered context. Rotating formats: q rotated in, the output rotated out
+    group through `decode` (default: the torch reference), prefill sequences through `prefill`
+    (formats without a window; default: SDPA on each one's gathered context). Rotating formats: q rotated in, the output rotated out
     (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
     K/V (as written to the cache), which a windowed format needs."""
     fmt = layer.fmt
@@ -206,7 +209,9 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
-    for seq in meta.prefill:
+    if prefill is not None and fresh is None and meta.prefill:
+        out[meta.prefill[0].q_start:] = prefill(q, layer, meta, scale)
+    for seq in meta.prefill if prefill is None or fresh is not None else ():
         if fresh is not None:
             _prefill_windowed(q, fresh, layer, seq, scale, out)
             continue

@@ -6,7 +6,8 @@ through it with one signature, whatever the cache's KVFormat.
     attention(q, layer, meta, scale) -> out      prefill and decode of a packed batch
 
 `TorchKernels` is the reference (CPU and CUDA). `NativeCpuKernels` runs the decode group
-through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, quantize on
+through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, the prefill
+sequences of formats without a recent-token window through kernels/csrc/paged_prefill.c, quantize on
 write and the Hadamard rotations through kernels/csrc/kv_quant.c, the rest through the
 reference. `TritonKernels` (CUDA, when triton imports) runs decode attention for every
 format, prefill attention for formats without a recent-token window and K/V writes of the
@@ -21,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from . import fused, kv_quant_native, paged_decode
+from . import fused, kv_quant_native, paged_decode, paged_prefill
 from .attention import AttentionMetadata, attend
 from .cache_ops import copy_page_prefix_torch, write_kv_torch
 from .kv_format import KVFormat, LayerKV
@@ -72,17 +73,20 @@ class NativeCpuKernels(TorchKernels):
 
     def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        native = meta.num_decode and self._decode_supported(q, layer)
+        native = meta.num_decode and self._supported(paged_decode, q, layer)
+        prefill = meta.prefill and self._supported(paged_prefill, q, layer)
         return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
-                      kv_quant_native.rotate_native, k, v)
+                      kv_quant_native.rotate_native, k, v, paged_prefill.prefill_native if prefill else None)
 
-    def _decode_supported(self, q: torch.Tensor, layer: LayerKV) -> bool:
-        """paged_decode.supported, remembered per layer and query layout: a layer's tensors keep
-        their shapes, dtypes and device for its life, and the check costs ~50 us per layer and step."""
-        key = (tuple(q.shape[1:]), q.dtype, q.device.type, q.dim())
-        memo = layer.__dict__.setdefault("_native_decode_ok", {})
+    @staticmethod
+    def _supported(kernel, q: torch.Tensor, layer: LayerKV) -> bool:
+        """kernel.supported (paged_decode or paged_prefill), remembered per layer and query layout:
+        a layer's tensors keep their shapes, dtypes and device for its life, and the check costs
+        ~50 us per layer and step."""
+        key = (kernel.__name__, tuple(q.shape[1:]), q.dtype, q.device.type, q.dim())
+        memo = layer.__dict__.setdefault("_native_attention_ok", {})
         if key not in memo:
-            memo[key] = paged_decode.supported(q, layer)
+            memo[key] = kernel.supported(q, layer)
         return memo[key]
 
     def __init__(self) -> None:
@@ -115,6 +119,8 @@ class NativeCpuKernels(TorchKernels):
             out["norm_act"] = "native-c (float32 rows)"
         if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
             out["decode_attention"] = "native-c"
+            if not fmt.window and paged_prefill.available():
+                out["prefill_attention"] = f"native-c (head sizes a multiple of {paged_prefill.LANES}, else torch-sdpa)"
         if fmt.quantized and kv_quant_native.quantize_available():
             out["kv_write"] = "native-c"
         return out

@@ -50,7 +50,7 @@ def available() -> bool:
     return _lib() is not None
 
 
-def _kinds(layer: LayerKV) -> Optional[tuple[int, int]]:
+def kinds(layer: LayerKV) -> Optional[tuple[int, int]]:
     fmt = layer.fmt
     if fmt.quantized:
         return _CODE_KINDS[fmt.k_bits], _CODE_KINDS[fmt.v_bits]
@@ -61,7 +61,14 @@ def _kinds(layer: LayerKV) -> Optional[tuple[int, int]]:
 def supported(q: torch.Tensor, layer: LayerKV) -> bool:
     """CPU tensors, contiguous storage of a kind the kernel reads, a head size matching q's,
     GQA-compatible head counts, and the kernel built."""
-    if q.dim() != 3 or layer.k.dim() != 4 or _kinds(layer) is None:
+    return layout_supported(q, layer) and available()
+
+
+def layout_supported(q: torch.Tensor, layer: LayerKV) -> bool:
+    """q [T, Hq, D] and the layer's tensors as the native attention kernels read them: CPU,
+    contiguous, every tensor as the format lays out one cache of this shape (the window store
+    too), a head size matching q's and GQA-compatible head counts."""
+    if q.dim() != 3 or layer.k.dim() != 4 or kinds(layer) is None:
         return False
     hq, d = q.shape[1:]
     hkv = layer.num_kv_heads
@@ -81,7 +88,7 @@ def supported(q: torch.Tensor, layer: LayerKV) -> bool:
                         and t.dtype in _FLOAT_KINDS for t in (layer.wk, layer.wv))
     tensors = layer.tensors() + layer.window_tensors()
     on_cpu = q.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors)
-    return shapes_ok and on_cpu and all(t.is_contiguous() for t in tensors) and available()
+    return shapes_ok and on_cpu and all(t.is_contiguous() for t in tensors)
 
 
 def decode_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -139,7 +146,7 @@ def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: t
     per_thread = hq * lmax + hq * d + 64 * d + hq          # SCRATCH() in paged_decode.c
     scratch = torch.empty(threads * per_thread, dtype=torch.float32)
     out = torch.empty(b, hq, d, dtype=torch.float32)
-    k_kind, v_kind = _kinds(layer)
+    k_kind, v_kind = kinds(layer)
     ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
     win_slots = win_starts = None
     w_kind, rows = 0, 0

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import native, paged_decode
+from kernels import native, paged_decode, paged_prefill
 from kernels.attention import build_metadata, decode_torch, paged_attention_torch
 from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
 from kernels.cache_ops import write_kv_torch
@@ -119,24 +119,28 @@ def test_native_decode_other_group_sizes(group_size, k_bits, v_bits, rotation):
     torch.testing.assert_close(NativeCpuKernels().attention(q, layer, meta, 0.125), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode,d", [("fp32", 16), ("bf16", 32), ("q8", 32), ("q6", 64), ("q4", 32)])
-def test_dispatch_mixes_native_decode_and_torch_prefill(monkeypatch, mode, d):
-    """Decode rows through the native kernel, prefill rows through SDPA, in one call."""
+@pytest.mark.parametrize("mode,d", [("fp32", 16), ("bf16", 32), ("q8", 32), ("q6", 64), ("q4", 32), ("fp32", 24)])
+def test_dispatch_mixes_native_decode_and_prefill(monkeypatch, mode, d):
+    """Decode rows through the native decode kernel, prefill rows through the native prefill
+    kernel (SDPA where it cannot take the head size), in one call, each kernel called once."""
     _need_native()
     q, layer, meta = _paged_case(6, 2, d, 8, [3, 20, 9, 30], mode, seed=3, q_lens=[1, 1, 9, 4])
     assert meta.num_decode == 2 and len(meta.prefill) == 2
     ref = paged_attention_torch(q, layer, meta, d ** -0.5)
     assert torch.isfinite(ref).all()
     calls = []
-    real = paged_decode.decode_native
 
-    def spy(q, layer, meta, scale):
-        calls.append(q.shape[0])
-        return real(q, layer, meta, scale)
+    def spy(name, real):
+        def call(q, layer, meta, scale):
+            calls.append((name, q.shape[0]))
+            return real(q, layer, meta, scale)
+        return call
 
-    monkeypatch.setattr(paged_decode, "decode_native", spy)
+    monkeypatch.setattr(paged_decode, "decode_native", spy("decode", paged_decode.decode_native))
+    monkeypatch.setattr(paged_prefill, "prefill_native", spy("prefill", paged_prefill.prefill_native))
     out = NativeCpuKernels().attention(q, layer, meta, d ** -0.5)
-    assert calls == [2]                                       # the decode group, natively, once
+    native_prefill = d % paged_prefill.LANES == 0 and paged_prefill.available()
+    assert calls == [("decode", 2)] + ([("prefill", q.shape[0])] if native_prefill else [])
     tol = {"atol": 2e-6, "rtol": 1e-5} if not layer.fmt.quantized else {"atol": 1e-5, "rtol": 1e-5}
     torch.testing.assert_close(out, ref, **tol)
 
@@ -205,7 +209,8 @@ def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, tmp_path,
 
     cpu32 = kernel_backends("cpu", "float32", "fp32")
     assert (cpu32["linear"], cpu32["decode_attention"]) == (want_linear, want_decode)
-    assert cpu32["prefill_attention"] == "torch-sdpa" and cpu32["kv_write"] == "torch"
+    want_prefill = "native-c" if want_decode == "native-c" and simd else "torch-sdpa"
+    assert cpu32["prefill_attention"].split(" ")[0] == want_prefill and cpu32["kv_write"] == "torch"
     assert cpu32["backend"] == ("native-cpu" if want_decode == "native-c" else "torch")
     for mode in KV_FORMATS:                                       # fp16 and the quantized pages too
         assert kernel_backends("cpu", "bfloat16", mode)["decode_attention"] == want_decode, mode

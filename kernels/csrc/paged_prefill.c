@@ -1,0 +1,388 @@
+/* Paged prefill attention on the CPU: several query tokens per sequence, causal, read straight
+ * from the pages (no gathered copy of the context), GQA, float32 math.
+ *
+ * Layouts (as kernels/kv_format.py and kernels/attention.py):
+ *   q           [T, Hq, D]          float32 query rows of the sequences, packed (sequence b's
+ *                                   q_len[b] rows start at row q_start[b]); in the attention
+ *                                   domain (the caller rotates q in and the output out)
+ *   k_cache     [P + 1, S, Hkv, W]  any storage kind of kv_load.h (float32, bfloat16, float16,
+ *   v_cache                         8-bit and 4-bit codes with float16 scales k_scale/v_scale)
+ *   page_table  [B, max_pages]      int32
+ *   seq_lens    [B]                 int32 context length, the new tokens included: query i of b
+ *                                   sits at position seq_lens[b] - q_len[b] + i and sees every key
+ *                                   at a position <= its own
+ *   out         [T, Hq, D]          float32
+ *   scratch     nthreads x paged_prefill_scratch_floats(Hq, Hkv, D, lmax), lmax >= max(seq_lens)
+ *
+ * A task is one KV head of up to QT consecutive query positions of one sequence: its G = Hq / Hkv
+ * query heads at those positions are R <= G * QT rows. The rows lie in the lanes of the vectors
+ * (query transposed once per task), so a key's scores for all rows come from one broadcast of each
+ * of its elements, and the softmax runs down the keys for every row at once. Per row:
+ *   s[p] = (q . k[p]) * scale   one multiply-add chain over d in order,
+ *   w[p] = exp(s[p] - max)      over the row's keys p <= its position (the rest weigh 0),
+ *   out  = (sum over p in order of w[p] v[p]) * (1 / sum over p in order of w[p]).
+ * Nothing in a row's arithmetic depends on the other rows, the task's size or the batch, so a
+ * token's output is bitwise the same however its sequence is chunked or batched (batch invariance).
+ * Float32 rows are read in place through the page table; other kinds are converted into a buffer
+ * once per task. Tasks are claimed one at a time by the threads of the shared pool (pool.h).
+ * The torch reference is kernels.attention.attend (SDPA on the gathered context).
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv_load.h"
+#include "pool.h"
+#include "simd_math.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define PREFILL_SIMD 1
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vec;
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VADD _mm512_add_ps
+#define VMAX _mm512_max_ps
+#define VSUB _mm512_sub_ps
+#else
+#define VW 8
+typedef __m256 vec;
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VADD _mm256_add_ps
+#define VMAX _mm256_max_ps
+#define VSUB _mm256_sub_ps
+#endif
+#else
+#define PREFILL_SIMD 0
+#define VW 8
+#endif
+
+#ifndef QT
+#define QT 16                      /* query positions per task */
+#endif
+#ifndef KP
+#define KP 4                       /* keys per score tile */
+#endif
+#ifndef RV
+#define RV 3                       /* row vectors per score tile */
+#endif
+#ifndef RP
+#define RP 4                       /* rows per value tile */
+#endif
+#ifndef DV
+#define DV 4                       /* vectors of D per value tile */
+#endif
+#ifndef PB
+#define PB 64                      /* keys per block of the value sums */
+#endif
+
+int paged_prefill_supported(void) { return PREFILL_SIMD; }
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Rows of a task, padded to whole vectors. */
+static int64_t rows_pad(int Hq, int Hkv) { return round_up((int64_t)(Hq / Hkv) * QT, VW); }
+
+/* Floats of scratch per thread: row pointers [2][lmax] (two floats' room each, first: aligned), the
+ * transposed queries [D][Rp], the scores [lmax][Rp], converted K and V rows [lmax][D] each, the
+ * rows' key counts, maxima and inverse sums [3][Rp]. */
+int64_t paged_prefill_scratch_floats(int Hq, int Hkv, int D, int lmax) {
+    if (Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || lmax < 1) return 0;
+    const int64_t rp = rows_pad(Hq, Hkv);
+    return 2 * rp * D + (int64_t)lmax * rp + 2 * (int64_t)lmax * D + 4 * (int64_t)lmax + 3 * rp + 16;
+}
+
+#if PREFILL_SIMD
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    const uint16_t *k_scale, *v_scale;
+    int k_kind, v_kind, G;
+    const int32_t *page_table;
+    int max_pages;
+    const int32_t *seq_lens, *q_start, *q_len;
+    float *out;
+    int B, Hq, Hkv, D, S;
+    float scale;
+    float *scratch;
+    int lmax;
+    const int64_t *first_task;     /* [B + 1] tasks before sequence b */
+    int64_t ntasks;
+    atomic_long *next_task;
+} Args;
+
+/* Head h of positions [0, n) as float32 row pointers: in place (float32) or converted into buf. */
+static void head_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages, int S,
+                      int n, int h, int D, int W, float *buf, const float **rows) {
+    for (int p0 = 0; p0 < n; p0 += S) {              /* page by page: slots are consecutive within one */
+        const int64_t slot = (int64_t)pages[p0 / S] * S;
+        const int pe = p0 + S < n ? p0 + S : n;
+        if (kind == KIND_F32) {
+            const float *row = (const float *)cache + slot * W + (int64_t)h * D;
+            for (int p = p0; p < pe; p++, row += W) rows[p] = row;
+        } else {
+            for (int p = p0; p < pe; p++)
+                rows[p] = load_head(cache, scales, kind, G, slot + p - p0, h, D, W, buf + (int64_t)p * D);
+        }
+    }
+}
+
+/* sc[p][r] = (q_r . k_p) * scale for keys [p0, p1) and row vectors [v0, v0 + nv), nv <= RV:
+ * qt [D][rp] the transposed rows. One chain over d per score. */
+static inline __attribute__((always_inline)) void score_tile(const float *qt, int64_t rp, const float *const *kr,
+                                                            int p, const int np, int v0, const int nv, int D,
+                                                            vec sv, float *sc) {
+    vec a[KP][RV];
+    _Pragma("GCC unroll 4") for (int j = 0; j < KP; j++)
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) a[j][i] = VZERO();
+    const float *k0 = kr[p], *k1 = np > 1 ? kr[p + 1] : k0, *k2 = np > 2 ? kr[p + 2] : k0, *k3 = np > 3 ? kr[p + 3] : k0;
+    const float *qp = qt + (int64_t)v0 * VW;
+    for (int d = 0; d < D; d++, qp += rp) {
+        vec qv[RV];
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) qv[i] = VLOAD(qp + i * VW);
+        const vec b0 = VSET1(k0[d]), b1 = VSET1(k1[d]), b2 = VSET1(k2[d]), b3 = VSET1(k3[d]);
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) {
+            a[0][i] = VFMA(qv[i], b0, a[0][i]);
+            if (np > 1) a[1][i] = VFMA(qv[i], b1, a[1][i]);
+            if (np > 2) a[2][i] = VFMA(qv[i], b2, a[2][i]);
+            if (np > 3) a[3][i] = VFMA(qv[i], b3, a[3][i]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int j = 0; j < KP; j++) if (j < np)
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv)
+            VSTORE(sc + (int64_t)(p + j) * rp + (v0 + i) * VW, VMUL(a[j][i], sv));
+}
+
+#define SCORE_FN(np, nv)                                                                          \
+    static void score##np##_##nv(const float *qt, int64_t rp, const float *const *kr, int p, int v0, int D, \
+                                 vec sv, float *sc) {                                            \
+        score_tile(qt, rp, kr, p, np, v0, nv, D, sv, sc);                                        \
+    }
+SCORE_FN(4, 3) SCORE_FN(4, 2) SCORE_FN(4, 1) SCORE_FN(1, 3) SCORE_FN(1, 2) SCORE_FN(1, 1)
+typedef void (*ScoreFn)(const float *, int64_t, const float *const *, int, int, int, vec, float *);
+static const ScoreFn SCORE4[RV + 1] = {0, score4_1, score4_2, score4_3};
+static const ScoreFn SCORE1[RV + 1] = {0, score1_1, score1_2, score1_3};
+
+/* Rows r0 .. r0 + nr - 1 (nr <= RP), columns [c0, c0 + nd * VW) of the value sums acc [R][D]: += w[p][r] v_p
+ * for keys [p0, p1) in order (from 0 when `first`); row r's weights are 0 past its keys. Storing and
+ * reloading a float32 sum is exact, so a row's sum is one chain over p however the keys are blocked. */
+static inline __attribute__((always_inline)) void value_tile(const float *sc, int64_t rp, const float *const *vr,
+                                                            int p0, int p1, int r0, const int nr, int c0,
+                                                            const int nd, float *acc, int D, int first) {
+    vec a[RP][DV];
+    _Pragma("GCC unroll 8") for (int r = 0; r < RP; r++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < DV; c++)
+            a[r][c] = first || r >= nr || c >= nd ? VZERO() : VLOAD(acc + (int64_t)(r0 + r) * D + c0 + c * VW);
+    const float *w = sc + (int64_t)p0 * rp + r0;
+    for (int p = p0; p < p1; p++, w += rp) {
+        const float *v = vr[p] + c0;
+        vec vv[DV];
+        _Pragma("GCC unroll 4") for (int c = 0; c < DV; c++) if (c < nd) vv[c] = VLOAD(v + c * VW);
+        _Pragma("GCC unroll 8") for (int r = 0; r < RP; r++) if (r < nr) {
+            const vec wb = VSET1(w[r]);
+            _Pragma("GCC unroll 4") for (int c = 0; c < DV; c++) if (c < nd) a[r][c] = VFMA(wb, vv[c], a[r][c]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < RP; r++) if (r < nr)
+        _Pragma("GCC unroll 4") for (int c = 0; c < DV; c++) if (c < nd)
+            VSTORE(acc + (int64_t)(r0 + r) * D + c0 + c * VW, a[r][c]);
+}
+
+#define VALUE_FN(nr, nd)                                                                          \
+    static void value##nr##_##nd(const float *sc, int64_t rp, const float *const *vr, int p0, int p1, int r0, \
+                                 int c0, float *acc, int D, int first) {                          \
+        value_tile(sc, rp, vr, p0, p1, r0, nr, c0, nd, acc, D, first);                           \
+    }
+#define VALUE_ROWS(nd) VALUE_FN(1, nd) VALUE_FN(2, nd) VALUE_FN(3, nd) VALUE_FN(4, nd) VALUE_FN(5, nd) VALUE_FN(6, nd)
+VALUE_ROWS(1) VALUE_ROWS(2) VALUE_ROWS(3) VALUE_ROWS(4)
+typedef void (*ValueFn)(const float *, int64_t, const float *const *, int, int, int, int, float *, int, int);
+#define VALUE_ROW_FNS(nd) {0, value1_##nd, value2_##nd, value3_##nd, value4_##nd, value5_##nd, value6_##nd}
+static const ValueFn VALUE[DV + 1][7] = {{0}, VALUE_ROW_FNS(1), VALUE_ROW_FNS(2), VALUE_ROW_FNS(3), VALUE_ROW_FNS(4)};
+
+#if VW == 16
+#define VEXP exp_nonpositive16
+#else
+#define VEXP exp_nonpositive
+#endif
+
+/* Lane-wise softmax weights down the keys, for the row vectors of a task: row r (lane) sees keys
+ * p < lim[r]; keys [0, shared) are seen by every row. In place: sc[p][r] = exp(s - max) (0 past
+ * the row's keys); inv[r] = 1 / the sum over p in order. Up to SV row vectors go down the keys
+ * together (independent chains: a row's sum is one chain over p). */
+#define SV 4
+static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, const float *lim, float *inv) {
+    for (int i0 = 0; i0 < nvec; i0 += SV) {
+        const int nv = nvec - i0 < SV ? nvec - i0 : SV;
+        float *col = sc + i0 * VW;
+        float m[SV * VW], s[SV * VW], e[SV * VW];
+        const float *l = lim + i0 * VW;
+        vec mv[SV], sum[SV];
+        for (int i = 0; i < SV; i++) { mv[i] = VSET1(-INFINITY); sum[i] = VZERO(); }
+        for (int p = 0; p < shared; p++)
+            for (int i = 0; i < nv; i++) mv[i] = VMAX(mv[i], VLOAD(col + p * rp + i * VW));
+        for (int i = 0; i < nv; i++) VSTORE(m + i * VW, mv[i]);
+        for (int p = shared; p < nk; p++)
+            for (int j = 0; j < nv * VW; j++)
+                if (p < l[j] && col[p * rp + j] > m[j]) m[j] = col[p * rp + j];
+        for (int i = 0; i < nv; i++) mv[i] = VLOAD(m + i * VW);
+        for (int p = 0; p < shared; p++)
+            for (int i = 0; i < nv; i++) {
+                const vec w = VEXP(VSUB(VLOAD(col + p * rp + i * VW), mv[i]));
+                VSTORE(col + p * rp + i * VW, w);
+                sum[i] = VADD(sum[i], w);
+            }
+        for (int i = 0; i < nv; i++) VSTORE(s + i * VW, sum[i]);
+        for (int p = shared; p < nk; p++) {
+            for (int i = 0; i < nv; i++) VSTORE(e + i * VW, VEXP(VSUB(VLOAD(col + p * rp + i * VW), mv[i])));
+            for (int j = 0; j < nv * VW; j++) {
+                const float w = p < l[j] ? e[j] : 0.0f;
+                col[p * rp + j] = w;
+                s[j] = s[j] + w;
+            }
+        }
+        for (int j = 0; j < nv * VW; j++) inv[i0 * VW + j] = 1.0f / s[j];
+    }
+}
+
+/* qt [D][rp] = the task's R query rows transposed (row r = j * G + g at q + j * ldj + g * D), rows
+ * R .. nvec * VW - 1 zero. */
+static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, int D, int64_t rp, float *qt) {
+#if VW == 16
+    for (int i = 0; i < nvec; i++) {
+        int32_t off[16];
+        int n = 0;
+        for (; n < 16 && i * 16 + n < R; n++) off[n] = (int32_t)((i * 16 + n) / G * ldj + (i * 16 + n) % G * D);
+        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        for (int k = n; k < 16; k++) off[k] = 0;
+        const __m512i idx = _mm512_loadu_si512(off);
+        for (int d = 0; d < D; d++)
+            _mm512_storeu_ps(qt + (int64_t)d * rp + i * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, q + d, 4));
+    }
+#else
+    for (int r = 0; r < nvec * VW; r++) {
+        const float *qr = r < R ? q + (int64_t)(r / G) * ldj + (int64_t)(r % G) * D : 0;
+        for (int d = 0; d < D; d++) qt[(int64_t)d * rp + r] = qr ? qr[d] : 0.0f;
+    }
+#endif
+}
+
+/* Task t: sequence b, KV head h, query positions [i0, i1) of the sequence's new tokens. */
+static void task(const Args *a, int64_t t, float *scratch) {
+    int b = 0;
+    {   /* the sequence whose tasks contain t */
+        int lo = 0, hi = a->B;
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) / 2;
+            if (a->first_task[mid] <= t) lo = mid; else hi = mid;
+        }
+        b = lo;
+    }
+    const int Hkv = a->Hkv, G = a->Hq / Hkv, D = a->D, W = Hkv * D;
+    const int64_t local = t - a->first_task[b], tiles = (a->q_len[b] + QT - 1) / QT;
+    const int h = (int)(local / tiles), i0 = (int)(local % tiles) * QT;
+    const int n = a->q_len[b], L = a->seq_lens[b], start = L - n;
+    const int i1 = i0 + QT < n ? i0 + QT : n, npos = i1 - i0, nk = start + i1, R = G * npos;
+    const int64_t rp = rows_pad(a->Hq, Hkv), lmax = a->lmax;
+    const int nvec = (R + VW - 1) / VW;
+    const float **kr = (const float **)scratch, **vr = kr + lmax;
+    float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + lmax * D;
+    float *lim = vb + lmax * D, *inv = lim + rp, *acc = inv + 2 * rp;
+    const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
+    head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, nk, h, D, W, kb, kr);
+    head_rows(a->v, a->v_scale, a->v_kind, a->G, pages, a->S, nk, h, D, W, vb, vr);
+    /* rows r = j * G + g: position start + i0 + j, query head h * G + g; padding rows are zero */
+    float *orow[QT * 64];
+    const int64_t first_row = ((int64_t)(a->q_start[b] + i0) * a->Hq + h * G) * D;   /* of row 0 in q and out */
+    for (int r = 0; r < rp; r++) {
+        const int j = r / G, g = r % G;
+        lim[r] = r < R ? (float)(start + i0 + j + 1) : 1.0f;
+        if (r < R) orow[r] = a->out + first_row + ((int64_t)j * a->Hq + g) * D;
+    }
+    transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, qt);
+    const vec sv = VSET1(a->scale);
+    for (int v0 = 0; v0 < nvec; v0 += RV) {
+        const int nv = nvec - v0 < RV ? nvec - v0 : RV;
+        int p = 0;
+        for (; p + KP <= nk; p += KP) SCORE4[nv](qt, rp, kr, p, v0, D, sv, sc);
+        for (; p < nk; p++) SCORE1[nv](qt, rp, kr, p, v0, D, sv, sc);
+    }
+    softmax_rows(sc, rp, nvec, start + i0 + 1, nk, lim, inv);
+    /* keys in blocks of PB (their value rows stay in L1 while every row tile uses them) */
+    for (int p0 = 0; p0 < nk; p0 += PB) {
+        for (int r0 = 0; r0 < R; r0 += RP) {
+            const int nr = R - r0 < RP ? R - r0 : RP;
+            const int pe = (int)lim[r0 + nr - 1];       /* rows in position order: the last sees most */
+            if (pe <= p0) continue;
+            const int p1 = p0 + PB < pe ? p0 + PB : pe;
+            for (int c0 = 0; c0 < D; c0 += DV * VW) {
+                const int nd = (D - c0) / VW < DV ? (D - c0) / VW : DV;
+                VALUE[nd][nr](sc, rp, vr, p0, p1, r0, c0, acc, D, p0 == 0);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const vec iv = VSET1(inv[r]);
+        for (int c = 0; c < D; c += VW) VSTORE(orow[r] + c, VMUL(VLOAD(acc + (int64_t)r * D + c), iv));
+    }
+}
+
+static void pool_task(void *ctx, int tid, int nth) {
+    (void)nth;
+    const Args *a = (const Args *)ctx;
+    float *scratch = a->scratch + (int64_t)tid * paged_prefill_scratch_floats(a->Hq, a->Hkv, a->D, a->lmax);
+    for (int64_t t = atomic_fetch_add(a->next_task, 1); t < a->ntasks; t = atomic_fetch_add(a->next_task, 1))
+        task(a, t, scratch);
+}
+#endif
+
+/* Returns 0 on success, 1 on shapes it cannot take (D not a multiple of the vector width or over
+ * 64 vectors, G * QT rows over 64 * QT). The caller checks page ids and lengths against the cache
+ * and the table, q_start / q_len against q, and scratch's size (kernels/paged_prefill.py). */
+int paged_prefill(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
+                  const uint16_t *v_scale, int k_kind, int v_kind, int G, const int32_t *page_table, int max_pages,
+                  const int32_t *seq_lens, const int32_t *q_start, const int32_t *q_len, float *out, int B, int Hq,
+                  int Hkv, int D, int S, float scale, float *scratch, int lmax, int nthreads) {
+#if PREFILL_SIMD
+    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || Hq / Hkv > 64 || D < VW || D % VW || S < 1 || lmax < 1)
+        return 1;
+    for (int i = 0; i < 2; i++) {
+        const int kind = i ? v_kind : k_kind;
+        if (kind < KIND_F32 || kind > KIND_Q4) return 1;
+        if ((kind == KIND_Q8 || kind == KIND_Q4) && (G < 2 || G % 2 || D % G || !(i ? v_scale : k_scale))) return 1;
+    }
+    if (B == 0) return 0;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!first) return 1;
+    first[0] = 0;
+    for (int b = 0; b < B; b++) {
+        if (q_len[b] < 1 || q_len[b] > seq_lens[b] || seq_lens[b] > lmax) { free(first); return 1; }
+        first[b + 1] = first[b] + (int64_t)Hkv * ((q_len[b] + QT - 1) / QT);
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > first[B]) nthreads = (int)first[B];
+    atomic_long next = 0;
+    Args args = {q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens,
+                 q_start, q_len, out, B, Hq, Hkv, D, S, scale, scratch, lmax, first, first[B], &next};
+    evalrun_pool_run(pool_task, &args, nthreads);
+    free(first);
+    return 0;
+#else
+    (void)q; (void)k_cache; (void)v_cache; (void)k_scale; (void)v_scale; (void)k_kind; (void)v_kind; (void)G;
+    (void)page_table; (void)max_pages; (void)seq_lens; (void)q_start; (void)q_len; (void)out; (void)B; (void)Hq;
+    (void)Hkv; (void)D; (void)S; (void)scale; (void)scratch; (void)lmax; (void)nthreads;
+    return 1;
+#endif
+}

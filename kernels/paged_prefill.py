@@ -1,0 +1,120 @@
+"""Native CPU paged prefill attention (kernels/csrc/paged_prefill.c), for every KVFormat without a
+recent-token window.
+
+    q           [T, Hq, D]   the query rows of the prefill sequences, packed in order, already in
+                             the attention domain (rotated for rotating formats: kernels.attention.attend)
+    layer       LayerKV      read in place through the page table (float32), or a task's context
+                             converted / dequantized into a per-thread buffer (other kinds)
+    page_table  [B, max_pages] int32, seq_lens [B] int32 (the new tokens included), q_lens [B]:
+                             sequence b's last q_lens[b] positions are its queries, causal
+Same contract as the torch reference (kernels.attention.attend: SDPA on the gathered context).
+Each query row's arithmetic is its own (kernels/csrc/paged_prefill.c), so a token's output is
+bitwise the same however its sequence is chunked and whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+import torch
+
+from . import native
+from .attention import AttentionMetadata, check_pages
+from .kv_format import LayerKV
+from .paged_decode import kinds, layout_supported
+
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {
+    "paged_prefill": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _I32,     # q, k, v, scales, kinds, group
+                             _P, _I32, _P, _P, _P, _P,                 # table, width, lens, q starts, q lens, out
+                             _I32, _I32, _I32, _I32, _I32, ctypes.c_float,   # B, Hq, Hkv, D, S, scale
+                             _P, _I32, _I32]),                         # scratch, lmax, threads
+    "paged_prefill_scratch_floats": (_I64, [_I32, _I32, _I32, _I32]),
+}
+LANES = 16                 # D must be a multiple of the widest vector the kernel may use
+_local = threading.local()   # per calling thread: a scratch buffer kept between calls
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    return native.load("paged_prefill", SIGNATURES, require="paged_prefill_supported")
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def supported(q: torch.Tensor, layer: LayerKV) -> bool:
+    """As the decode kernel (paged_decode.layout_supported), for formats without a recent-token
+    window and head sizes that are a multiple of 16, with the kernel built for this CPU."""
+    return (not layer.fmt.window and q.dim() == 3 and q.shape[-1] % LANES == 0
+            and layout_supported(q, layer) and available())
+
+
+def num_threads(q_lens: torch.Tensor, seq_lens: torch.Tensor, hq: int, d: int) -> int:
+    """A second thread pays for its hand-over only with enough work (~2M multiply-adds)."""
+    work = int((q_lens.long() * seq_lens.long()).sum()) * hq * d
+    return 1 if work < 2 ** 21 else max(1, torch.get_num_threads())
+
+
+def prefill_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The prefill sequences of a batch whose metadata build_metadata checked (a `PrefillFn`):
+    q [T, Hq, D] of the whole batch -> [T - first prefill row, Hq, D]."""
+    nd = meta.num_decode
+    cu = meta.cu_seqlens_q[nd:].long()
+    return _call(q[int(cu[0]):], layer, meta.page_table[nd:], meta.seq_lens_k[nd:], cu[1:] - cu[:-1], scale)
+
+
+def paged_prefill_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                         q_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [sum(q_lens), Hq, D] -> [sum(q_lens), Hq, D] in q's dtype, float32 math. Page ids,
+    lengths and query counts are checked before the C code reads the cache."""
+    if not supported(q, layer):
+        raise ValueError(f"paged_prefill_native cannot take q {tuple(q.shape)} {q.device} with a "
+                         f"{layer.fmt.name} cache of K {tuple(layer.k.shape)} {layer.k.dtype} "
+                         f"(kernel built: {available()})")
+    b = page_table.shape[0]
+    if seq_lens.shape != (b,) or q_lens.shape != (b,):
+        raise ValueError(f"page_table {tuple(page_table.shape)} / seq_lens {tuple(seq_lens.shape)} / "
+                         f"q_lens {tuple(q_lens.shape)} do not match {b} sequences")
+    if b and (bool((q_lens < 1).any()) or bool((q_lens > seq_lens).any())):
+        raise ValueError("every sequence needs 1 <= q_len <= its length")
+    if int(q_lens.sum()) != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows, the sequences' q_lens sum to {int(q_lens.sum())}")
+    check_pages(page_table, seq_lens, layer.page_size, layer.k.shape[0] - 1)
+    return _call(q, layer, page_table, seq_lens, q_lens, scale)
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < floats:
+        buf = _local.scratch = torch.empty(floats, dtype=torch.float32)
+    return buf
+
+
+def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
+          q_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    t, hq, d = q.shape
+    b, s, hkv = page_table.shape[0], layer.page_size, layer.num_kv_heads
+    if b == 0:
+        return torch.empty(0, hq, d, dtype=q.dtype)
+    lib = _lib()
+    qf = q.float().contiguous()
+    table = page_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    qn = q_lens.to(torch.int32).contiguous()
+    starts = (torch.cumsum(qn, 0, dtype=torch.int32) - qn).contiguous()
+    lmax = max(1, int(lens.max()))
+    threads = num_threads(qn, lens, hq, d)
+    scratch = _scratch(threads * lib.paged_prefill_scratch_floats(hq, hkv, d, lmax))
+    out = torch.empty(t, hq, d, dtype=torch.float32)
+    k_kind, v_kind = kinds(layer)
+    ptr = lambda x: None if x is None else x.data_ptr()     # noqa: E731
+    rc = lib.paged_prefill(qf.data_ptr(), layer.k.data_ptr(), layer.v.data_ptr(), ptr(layer.k_scale),
+                           ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size, table.data_ptr(),
+                           table.shape[1], lens.data_ptr(), starts.data_ptr(), qn.data_ptr(), out.data_ptr(),
+                           b, hq, hkv, d, s, scale, scratch.data_ptr(), lmax, threads)
+    if rc != 0:
+        raise ValueError(f"native paged prefill does not support Hq={hq}, Hkv={hkv}, D={d}, "
+                         f"format {layer.fmt.name}")
+    return out.to(q.dtype)

@@ -1,0 +1,138 @@
+"""The native paged prefill attention kernel (kernels/csrc/paged_prefill.c) against the torch
+reference (SDPA on the gathered context), for every format without a recent-token window, and its
+invariance: a token's output is bitwise the same however its sequence is chunked or batched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_prefill
+from kernels.attention import attend, build_metadata, paged_attention_torch
+from kernels.backend import NativeCpuKernels
+from kernels.kv_format import KV_FORMATS
+from tests.test_native_kernels import _machine_has_cc, _paged_case
+
+
+def _need_native():
+    if not _machine_has_cc():
+        pytest.skip("no C compiler on this machine: prefill runs on SDPA")
+    if not paged_prefill.available():
+        pytest.skip("the prefill kernel needs AVX2 and FMA, which this CPU lacks")
+
+
+def _native(q, layer, meta, scale):
+    """The kernel as the model calls it: through attend, rotated in and out for rotating formats."""
+    return attend(q, layer, meta, scale, prefill=paged_prefill.prefill_native)
+
+
+SHAPES = [(9, 3, 64, 256), (4, 2, 32, 16), (8, 8, 16, 4), (4, 1, 128, 16), (6, 3, 48, 8)]
+CASES = [(mode, *shape) for mode, f in KV_FORMATS.items() for shape in SHAPES
+         if not f.quantized or shape[2] % f.group_size == 0]
+
+
+@pytest.mark.parametrize("mode,hq,hkv,d,page_size", CASES)
+def test_native_prefill_matches_torch_reference(mode, hq, hkv, d, page_size):
+    """Fresh prompts (q_len == length), prompts after a cached prefix, one-token chunks, and
+    chunks crossing pages and the kernel's 16-position tiles."""
+    _need_native()
+    lens = [5, 40, 300, 17, 64, 33]
+    q_lens = [5, 3, 130, 1, 64, 17]
+    q, layer, meta = _paged_case(hq, hkv, d, page_size, lens, mode, seed=hq * d + page_size, q_lens=q_lens)
+    assert meta.num_decode == 0
+    ref = paged_attention_torch(q, layer, meta, d ** -0.5)
+    assert torch.isfinite(ref).all()
+    out = _native(q, layer, meta, d ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-6 if not layer.fmt.quantized else 1e-5, rtol=1e-5)
+    torch.testing.assert_close(NativeCpuKernels().attention(q, layer, meta, d ** -0.5), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "q8", "q4"])
+def test_native_prefill_softmax_over_a_wide_score_range(mode):
+    _need_native()
+    q, layer, meta = _paged_case(9, 3, 64, 16, [7, 40, 300], mode, seed=11, q_lens=[7, 20, 100])
+    q = q * 40.0                                                    # scores spread over hundreds
+    ref = paged_attention_torch(q, layer, meta, 0.125)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(_native(q, layer, meta, 0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+def _whole(q, layer, meta, b):
+    """Sequence b's rows of q and its page table row, length and query count."""
+    cu = meta.cu_seqlens_q.long()
+    return (q[int(cu[b]):int(cu[b + 1])], meta.page_table[b:b + 1], meta.seq_lens_k[b:b + 1],
+            cu[b + 1:b + 2] - cu[b:b + 1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_prefill_is_chunk_and_batch_invariant(threads):
+    """Each sequence's outputs, bitwise: alone, among the others, split into chunks of 1, 7 and 16
+    positions (each chunk attending the positions before it, as chunked prefill runs), and at one
+    or two threads."""
+    _need_native()
+    lens = [300, 45, 130, 17, 64]
+    q, layer, meta = _paged_case(9, 3, 64, 16, lens, "fp32", seed=5, q_lens=[300, 20, 130, 17, 40])
+    for t in layer.data_tensors():
+        t.nan_to_num_(0.0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        full = paged_prefill.paged_prefill_native(q, layer, meta.page_table, meta.seq_lens_k,
+                                                  meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1], 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(full, paged_attention_torch(q, layer, meta, 0.125), atol=2e-6, rtol=1e-5)
+    cu = meta.cu_seqlens_q.long()
+    for b in range(len(lens)):
+        qb, table, length, n = _whole(q, layer, meta, b)
+        alone = paged_prefill.paged_prefill_native(qb, layer, table, length, n, 0.125)
+        assert torch.equal(alone, full[int(cu[b]):int(cu[b + 1])])
+        start = int(length) - int(n)
+        for chunk in (1, 7, 16):
+            parts = []
+            for i in range(0, int(n), chunk):
+                m = min(chunk, int(n) - i)
+                parts.append(paged_prefill.paged_prefill_native(
+                    qb[i:i + m], layer, table, torch.tensor([start + i + m], dtype=torch.int32),
+                    torch.tensor([m]), 0.125))
+            assert torch.equal(torch.cat(parts), alone), (b, chunk)
+
+
+def test_unsupported_layouts_fall_back_to_sdpa():
+    """A head size the kernel cannot take, or a format with a recent-token window, is not
+    supported: the backend answers through SDPA, the kernel's checked entry raises."""
+    _need_native()
+    q, layer, meta = _paged_case(4, 2, 24, 8, [9, 30], "fp32", seed=2, q_lens=[9, 4])
+    assert not paged_prefill.supported(q, layer)
+    ref = paged_attention_torch(q, layer, meta, 0.2)
+    torch.testing.assert_close(NativeCpuKernels().attention(q, layer, meta, 0.2), ref, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="cannot take"):
+        paged_prefill.paged_prefill_native(q, layer, meta.page_table, meta.seq_lens_k, torch.tensor([9, 4]), 0.2)
+
+
+def test_bad_query_counts_raise_before_the_kernel_reads():
+    _need_native()
+    q, layer, meta = _paged_case(4, 2, 32, 8, [9, 30], "fp32", seed=2, q_lens=[9, 4])
+    table, lens = meta.page_table, meta.seq_lens_k
+    for q_lens, match in (([0, 13], "q_len"), ([9, 31], "q_len"), ([9, 3], "rows"), ([9], "match")):
+        with pytest.raises(ValueError, match=match):
+            paged_prefill.paged_prefill_native(q, layer, table, lens, torch.tensor(q_lens), 0.2)
+    with pytest.raises(ValueError, match="lengths"):
+        paged_prefill.paged_prefill_native(q, layer, table, torch.tensor([9, 10_000], dtype=torch.int32),
+                                           torch.tensor([9, 4]), 0.2)
+    bad_table = table.clone()
+    bad_table[1, 0] = layer.k.shape[0] + 5
+    with pytest.raises(ValueError, match="page ids"):
+        paged_prefill.paged_prefill_native(q, layer, bad_table, lens, torch.tensor([9, 4]), 0.2)
+
+
+def test_metadata_prefill_rows_follow_the_decode_group():
+    """prefill_native takes the batch's q and returns the rows after the decode group."""
+    _need_native()
+    q, layer, meta = _paged_case(6, 2, 32, 8, [3, 20, 9, 30], "fp32", seed=3, q_lens=[1, 1, 9, 4])
+    out = paged_prefill.prefill_native(q, layer, meta, 0.2)
+    assert out.shape == (13, 6, 32)
+    torch.testing.assert_close(out, paged_attention_torch(q, layer, meta, 0.2)[2:], atol=2e-6, rtol=1e-5)
+    only = build_metadata([9, 4], [9, 30], [meta.page_table[2].tolist(), meta.page_table[3].tolist()],
+                          8, layer.k.shape[0] - 1, torch.device("cpu"))
+    assert torch.equal(paged_prefill.prefill_native(q[2:], layer, only, 0.2), out)
