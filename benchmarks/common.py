@@ -44,6 +44,17 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
     result = {**result, "loadavg_at_end": os.getloadavg()}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 PREFIX = "@@evalrun "
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -109,6 +109,41 @@ class PairedPeer:
     def _stderr_tail(self, chars: int = 3000) -> str:
         self._stderr.seek(0)
         return self._stderr.read()[-chars:]
+
+
+def alternate(peer: PairedPeer, rounds: int, ours: Callable[[], dict[str, Any]],
+              name: str = "vLLM") -> tuple[list[dict[str, Any]], list[float]]:
+    """`rounds` paired rounds, ABBA: our run first in even rounds, the peer's first in odd ones.
+    Each of our runs (`ours()`, a dict with "seconds") gets `other_cpu_s` and `steal_s` (OtherCpu);
+    one line per round is printed. Returns (our runs, the peer's seconds per round)."""
+    runs: list[dict[str, Any]] = []
+    theirs: list[float] = []
+
+    def timed() -> None:
+        with OtherCpu() as cpu:
+            run = ours()
+        run.update(other_cpu_s=cpu.other_s, steal_s=cpu.steal_s)
+        runs.append(run)
+
+    for r in range(rounds):
+        if r % 2:
+            theirs.append(peer.round())
+            timed()
+        else:
+            timed()
+            theirs.append(peer.round())
+        o = runs[-1]
+        print(f"  round {r}: ours {o['seconds']:.2f} s, {name} {theirs[-1]:.2f} s, {name} / ours "
+              f"{theirs[-1] / o['seconds']:.2f}x (during ours: others' CPU {o['other_cpu_s']:.1f} s, "
+              f"steal {o['steal_s']:.1f} s)")
+    return runs, theirs
+
+
+def round_pairs(runs: list[dict[str, Any]], theirs: list[float], name: str = "vllm") -> list[dict[str, Any]]:
+    """The result's per-round records of `alternate`'s output."""
+    return [{"ours_s": o["seconds"], f"{name}_s": t, "ratio": t / o["seconds"],
+             "others_cpu_s_during_ours": o["other_cpu_s"], "steal_s_during_ours": o["steal_s"]}
+            for o, t in zip(runs, theirs)]
 
 
 class OtherCpu:

@@ -8,7 +8,7 @@ standard library and vllm.
 Usage:
     python benchmarks/vllm_runner.py --model DIR --in prompts.json --out result.json \
         [--dtype float32] [--prefix-caching/--no-prefix-caching] [--max-model-len 4096] \
-        [--method token_ids|full_vocab] [--enforce-eager]
+        [--method token_ids|full_vocab] [--enforce-eager] [--paired]
 
 Input JSON:  {"prompts": [[token ids], ...], "choice_ids": [id_A, id_B, id_C, id_D]}
              Token ids are passed verbatim (no BOS added).
@@ -28,6 +28,12 @@ single token (temperature 0, max_tokens=1):
   max_logprobs=-1, returning all vocab_size log-probs per prompt (slow, mainly
   for cross-checking); the choice ids are picked out of that.
 
+--paired: rounds on demand, the protocol of vllm_decode_runner.py (benchmarks/paired.py): after
+the warm-up `@@evalrun ready` on stdout; each `go` line on stdin resets the prefix cache, times
+one generate over all prompts and answers `@@evalrun {"round": i, "seconds": s}`; `quit` writes
+the output JSON with `round_seconds`, `rounds_identical` (every round's log-probs equal to the
+first's) and the first round's `seconds` and `choice_logprobs`.
+
 Recommended environment on a CPU host:
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1
 """
@@ -46,7 +52,14 @@ def parse_args(argv=None):
     p = vllm_common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--method", choices=("token_ids", "full_vocab"), default="token_ids",
                    help="how log-probs are obtained (see module docstring)")
+    p.add_argument("--paired", action="store_true",
+                   help="rounds on demand through stdin/stdout (see the docstring)")
     return p.parse_args(argv)
+
+
+def say(text):
+    """One protocol line on stdout (--paired)."""
+    print(f"@@evalrun {text}", flush=True)
 
 
 def load_input(path):
@@ -135,18 +148,43 @@ def main(argv=None):
     warmup_seconds = time.perf_counter() - t0
 
     inputs = to_inputs(prompts)
-    t0 = time.perf_counter()
-    outputs = llm.generate(inputs, sp, use_tqdm=False)
-    seconds = time.perf_counter() - t0
 
-    choice_logprobs = extract(outputs)
+    def timed_round():
+        t0 = time.perf_counter()
+        outputs = llm.generate(inputs, sp, use_tqdm=False)
+        return extract(outputs), time.perf_counter() - t0
+
+    rounds = {}
+    if args.paired:
+        choice_logprobs, round_seconds, identical = None, [], True
+        say("ready")
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                break
+            if line.strip() != "go":
+                continue
+            llm.reset_prefix_cache()          # a round never reuses the previous round's prompt pages
+            lps, secs = timed_round()
+            round_seconds.append(secs)
+            if choice_logprobs is None:
+                choice_logprobs = lps
+            else:
+                identical &= lps == choice_logprobs
+            say(json.dumps({"round": len(round_seconds) - 1, "seconds": secs}))
+        if choice_logprobs is None:
+            raise SystemExit("--paired: no round was asked for")
+        seconds = round_seconds[0]
+        rounds = {"round_seconds": round_seconds, "rounds_identical": identical}
+    else:
+        choice_logprobs, seconds = timed_round()
+
     for i, row in enumerate(choice_logprobs):
         if not all(math.isfinite(x) for x in row):
             print(f"warning: non-finite log-prob in prompt {i}: {row}", file=sys.stderr)
 
     vllm_common.write_result(args.out, engine_kwargs, prompts, load_seconds, warmup_seconds, seconds,
                              f"{len(prompts)} prompts", choice_logprobs=choice_logprobs, choice_ids=choice_ids,
-                             method=method)
+                             method=method, **rounds)
     return 0
 
 
