@@ -84,3 +84,32 @@ def write_result(path, kwargs, prompts, load_seconds, warmup_seconds, seconds, w
     print(f"vllm {result['vllm_version']}: load {load_seconds:.1f}s, warmup {warmup_seconds:.2f}s, "
           f"generate {seconds:.2f}s for {what} ({result['prompt_tokens']} prompt tokens) -> {path}", file=sys.stderr)
     return result
+
+
+def say(text):
+    """One protocol line on stdout (--paired, benchmarks/paired.py)."""
+    print(f"@@evalrun {text}", flush=True)
+
+
+def serve_rounds(timed_round, key=lambda result: result):
+    """--paired: `@@evalrun ready`, then one round per `go` line on stdin until `quit` (or the end of
+    input): `timed_round()` -> (result, seconds) (it resets the prefix cache), the seconds answered.
+    Returns (the first round's result, every round's seconds, whether every result's `key` equalled
+    the first's)."""
+    first, round_seconds, identical = None, [], True
+    say("ready")
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        if line.strip() != "go":
+            continue
+        result, secs = timed_round()
+        round_seconds.append(secs)
+        if first is None:
+            first = result
+        else:
+            identical &= key(result) == key(first)
+        say(json.dumps({"round": len(round_seconds) - 1, "seconds": secs}))
+    if first is None:
+        raise SystemExit("--paired: no round was asked for")
+    return first, round_seconds, identical

@@ -103,11 +103,6 @@ def sampling(new_tokens, min_tokens):
     return SamplingParams(**kwargs), kwargs
 
 
-def say(text):
-    """One protocol line on stdout (--paired)."""
-    print(f"@@evalrun {text}", flush=True)
-
-
 def main(argv=None):
     args = parse_args(argv)
     prompts, new_tokens = load_input(args.inp)
@@ -137,22 +132,8 @@ def main(argv=None):
         return outs, time.perf_counter() - t0
 
     if args.paired:
-        outputs, round_seconds, identical = None, [], True
-        say("ready")
-        for line in sys.stdin:
-            if line.strip() == "quit":
-                break
-            if line.strip() != "go":
-                continue
-            outs, secs = timed_round()
-            round_seconds.append(secs)
-            if outputs is None:
-                outputs = outs
-            else:
-                identical &= [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in outputs]
-            say(json.dumps({"round": len(round_seconds) - 1, "seconds": secs}))
-        if outputs is None:
-            raise SystemExit("--paired: no round was asked for")
+        outputs, round_seconds, identical = vllm_common.serve_rounds(
+            timed_round, key=lambda outs: [o.outputs[0].token_ids for o in outs])
         seconds = round_seconds[0]
         rounds = {"round_seconds": round_seconds, "rounds_identical": identical}
     else:

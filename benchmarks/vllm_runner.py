@@ -57,10 +57,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def say(text):
-    """One protocol line on stdout (--paired)."""
-    print(f"@@evalrun {text}", flush=True)
-
 
 def load_input(path):
     with open(path) as f:
@@ -150,29 +146,14 @@ def main(argv=None):
     inputs = to_inputs(prompts)
 
     def timed_round():
+        llm.reset_prefix_cache()              # a round never reuses the previous round's prompt pages
         t0 = time.perf_counter()
         outputs = llm.generate(inputs, sp, use_tqdm=False)
         return extract(outputs), time.perf_counter() - t0
 
     rounds = {}
     if args.paired:
-        choice_logprobs, round_seconds, identical = None, [], True
-        say("ready")
-        for line in sys.stdin:
-            if line.strip() == "quit":
-                break
-            if line.strip() != "go":
-                continue
-            llm.reset_prefix_cache()          # a round never reuses the previous round's prompt pages
-            lps, secs = timed_round()
-            round_seconds.append(secs)
-            if choice_logprobs is None:
-                choice_logprobs = lps
-            else:
-                identical &= lps == choice_logprobs
-            say(json.dumps({"round": len(round_seconds) - 1, "seconds": secs}))
-        if choice_logprobs is None:
-            raise SystemExit("--paired: no round was asked for")
+        choice_logprobs, round_seconds, identical = vllm_common.serve_rounds(timed_round)
         seconds = round_seconds[0]
         rounds = {"round_seconds": round_seconds, "rounds_identical": identical}
     else:
