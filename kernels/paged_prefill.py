@@ -30,7 +30,7 @@ SIGNATURES = {
                              _P, _I32, _P, _P, _P, _P,                 # table, width, lens, q starts, q lens, out
                              _I32, _I32, _I32, _I32, _I32, ctypes.c_float,   # B, Hq, Hkv, D, S, scale
                              _P, _I32, _I32]),                         # scratch, lmax, threads
-    "paged_prefill_scratch_floats": (_I64, [_I32, _I32, _I32, _I32]),
+    "paged_prefill_scratch_floats": (_I64, [_I32, _I32, _I32, _I32, _I32, _I32]),
 }
 LANES = 16                 # D must be a multiple of the widest vector the kernel may use
 _local = threading.local()   # per calling thread: a scratch buffer kept between calls
@@ -106,9 +106,9 @@ def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: t
     starts = (torch.cumsum(qn, 0, dtype=torch.int32) - qn).contiguous()
     lmax = max(1, int(lens.max()))
     threads = num_threads(qn, lens, hq, d)
-    scratch = _scratch(threads * lib.paged_prefill_scratch_floats(hq, hkv, d, lmax))
-    out = torch.empty(t, hq, d, dtype=torch.float32)
     k_kind, v_kind = kinds(layer)
+    scratch = _scratch(threads * lib.paged_prefill_scratch_floats(hq, hkv, d, lmax, k_kind, v_kind))
+    out = torch.empty(t, hq, d, dtype=torch.float32)
     ptr = lambda x: None if x is None else x.data_ptr()     # noqa: E731
     rc = lib.paged_prefill(qf.data_ptr(), layer.k.data_ptr(), layer.v.data_ptr(), ptr(layer.k_scale),
                            ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size, table.data_ptr(),

@@ -136,3 +136,29 @@ def test_metadata_prefill_rows_follow_the_decode_group():
     only = build_metadata([9, 4], [9, 30], [meta.page_table[2].tolist(), meta.page_table[3].tolist()],
                           8, layer.k.shape[0] - 1, torch.device("cpu"))
     assert torch.equal(paged_prefill.prefill_native(q[2:], layer, only, 0.2), out)
+
+
+def test_many_query_heads_per_kv_head():
+    """72 query heads on one KV head (Falcon-7B has 71): more rows per task than any fixed bound."""
+    _need_native()
+    q, layer, meta = _paged_case(72, 1, 16, 8, [9, 40], "fp32", seed=4, q_lens=[9, 23])
+    assert paged_prefill.supported(q, layer)
+    torch.testing.assert_close(NativeCpuKernels().attention(q, layer, meta, 0.25),
+                               paged_attention_torch(q, layer, meta, 0.25), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it(bad):
+    """A token whose value row is not finite (an fp16 overflow, say) poisons the rows at and after
+    its position; the rows before it stay finite and bitwise the same however the prompt is
+    chunked (SDPA on the gathered context poisons every row)."""
+    _need_native()
+    q, layer, meta = _paged_case(9, 3, 64, 16, [40], "fp16", seed=9, q_lens=[40])
+    table, lens = meta.page_table, meta.seq_lens_k
+    at = 37                                                       # the poisoned position
+    layer.v.view(-1, *layer.v.shape[2:])[int(table[0, at // 16]) * 16 + at % 16, 1] = bad
+    whole = paged_prefill.paged_prefill_native(q, layer, table, lens, torch.tensor([40]), 0.125)
+    assert torch.isfinite(whole[:at]).all() and not torch.isfinite(whole[at:, 3:6]).any()
+    parts = [paged_prefill.paged_prefill_native(q[i:i + 1], layer, table, torch.tensor([i + 1], dtype=torch.int32),
+                                                torch.tensor([1]), 0.125) for i in range(40)]
+    assert torch.equal(torch.cat(parts)[:at], whole[:at])

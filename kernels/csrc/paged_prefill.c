@@ -12,7 +12,8 @@
  *                                   sits at position seq_lens[b] - q_len[b] + i and sees every key
  *                                   at a position <= its own
  *   out         [T, Hq, D]          float32
- *   scratch     nthreads x paged_prefill_scratch_floats(Hq, Hkv, D, lmax), lmax >= max(seq_lens)
+ *   scratch     nthreads x paged_prefill_scratch_floats(Hq, Hkv, D, lmax, k_kind, v_kind), lmax >=
+ *               max(seq_lens)
  *
  * A task is one KV head of up to QT consecutive query positions of one sequence: its G = Hq / Hkv
  * query heads at those positions are R <= G * QT rows. The rows lie in the lanes of the vectors
@@ -69,21 +70,11 @@ typedef __m256 vec;
 #define VW 8
 #endif
 
-#ifndef QT
 #define QT 16                      /* query positions per task */
-#endif
-#ifndef KP
 #define KP 4                       /* keys per score tile */
-#endif
-#ifndef RV
 #define RV 3                       /* row vectors per score tile */
-#endif
-#ifndef RP
 #define RP 4                       /* rows per value tile */
-#endif
-#ifndef DV
-#define DV 4                       /* vectors of D per value tile */
-#endif
+#define DV 4                       /* vectors of D per value tile (the tile tables are sized for these) */
 #ifndef PB
 #define PB 64                      /* keys per block of the value sums */
 #endif
@@ -96,12 +87,16 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t rows_pad(int Hq, int Hkv) { return round_up((int64_t)(Hq / Hkv) * QT, VW); }
 
 /* Floats of scratch per thread: row pointers [2][lmax] (two floats' room each, first: aligned), the
- * transposed queries [D][Rp], the scores [lmax][Rp], converted K and V rows [lmax][D] each, the
- * rows' key counts, maxima and inverse sums [3][Rp]. */
-int64_t paged_prefill_scratch_floats(int Hq, int Hkv, int D, int lmax) {
+ * transposed queries [D][Rp], the scores [lmax][Rp], converted K rows and V rows [lmax][D] (each only
+ * for a kind other than float32, which is read in place), the rows' key counts and inverse sums
+ * [3][Rp], the value sums [Rp][D]. */
+static int64_t converted(int kind, int lmax, int D) { return kind == KIND_F32 ? 0 : (int64_t)lmax * D; }
+
+int64_t paged_prefill_scratch_floats(int Hq, int Hkv, int D, int lmax, int k_kind, int v_kind) {
     if (Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || lmax < 1) return 0;
     const int64_t rp = rows_pad(Hq, Hkv);
-    return 2 * rp * D + (int64_t)lmax * rp + 2 * (int64_t)lmax * D + 4 * (int64_t)lmax + 3 * rp + 16;
+    return 2 * rp * D + (int64_t)lmax * rp + converted(k_kind, lmax, D) + converted(v_kind, lmax, D)
+           + 4 * (int64_t)lmax + 3 * rp + 16;
 }
 
 #if PREFILL_SIMD
@@ -298,19 +293,14 @@ static void task(const Args *a, int64_t t, float *scratch) {
     const int64_t rp = rows_pad(a->Hq, Hkv), lmax = a->lmax;
     const int nvec = (R + VW - 1) / VW;
     const float **kr = (const float **)scratch, **vr = kr + lmax;
-    float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + lmax * D;
-    float *lim = vb + lmax * D, *inv = lim + rp, *acc = inv + 2 * rp;
+    float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + converted(a->k_kind, lmax, D);
+    float *lim = vb + converted(a->v_kind, lmax, D), *inv = lim + rp, *acc = inv + 2 * rp;
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, nk, h, D, W, kb, kr);
     head_rows(a->v, a->v_scale, a->v_kind, a->G, pages, a->S, nk, h, D, W, vb, vr);
     /* rows r = j * G + g: position start + i0 + j, query head h * G + g; padding rows are zero */
-    float *orow[QT * 64];
     const int64_t first_row = ((int64_t)(a->q_start[b] + i0) * a->Hq + h * G) * D;   /* of row 0 in q and out */
-    for (int r = 0; r < rp; r++) {
-        const int j = r / G, g = r % G;
-        lim[r] = r < R ? (float)(start + i0 + j + 1) : 1.0f;
-        if (r < R) orow[r] = a->out + first_row + ((int64_t)j * a->Hq + g) * D;
-    }
+    for (int r = 0; r < rp; r++) lim[r] = r < R ? (float)(start + i0 + r / G + 1) : 1.0f;
     transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, qt);
     const vec sv = VSET1(a->scale);
     for (int v0 = 0; v0 < nvec; v0 += RV) {
@@ -320,43 +310,48 @@ static void task(const Args *a, int64_t t, float *scratch) {
         for (; p < nk; p++) SCORE1[nv](qt, rp, kr, p, v0, D, sv, sc);
     }
     softmax_rows(sc, rp, nvec, start + i0 + 1, nk, lim, inv);
-    /* keys in blocks of PB (their value rows stay in L1 while every row tile uses them) */
+    /* keys in blocks of PB (their value rows stay in L1 while every row tile uses them); a tile's rows
+     * go together over the keys its first row sees, then each row alone over the rest of its own (a
+     * row never touches a key past its position, so even a non-finite value there cannot reach it) */
     for (int p0 = 0; p0 < nk; p0 += PB) {
         for (int r0 = 0; r0 < R; r0 += RP) {
             const int nr = R - r0 < RP ? R - r0 : RP;
-            const int pe = (int)lim[r0 + nr - 1];       /* rows in position order: the last sees most */
-            if (pe <= p0) continue;
-            const int p1 = p0 + PB < pe ? p0 + PB : pe;
+            const int common = (int)lim[r0];          /* rows in position order: the first sees least */
             for (int c0 = 0; c0 < D; c0 += DV * VW) {
                 const int nd = (D - c0) / VW < DV ? (D - c0) / VW : DV;
-                VALUE[nd][nr](sc, rp, vr, p0, p1, r0, c0, acc, D, p0 == 0);
+                if (common > p0)
+                    VALUE[nd][nr](sc, rp, vr, p0, common < p0 + PB ? common : p0 + PB, r0, c0, acc, D, p0 == 0);
+                for (int r = r0; r < r0 + nr; r++) {
+                    const int lo = common > p0 ? common : p0, own = (int)lim[r], hi = own < p0 + PB ? own : p0 + PB;
+                    if (hi > lo) VALUE[nd][1](sc, rp, vr, lo, hi, r, c0, acc, D, lo == 0);
+                }
             }
         }
     }
     for (int r = 0; r < R; r++) {
         const vec iv = VSET1(inv[r]);
-        for (int c = 0; c < D; c += VW) VSTORE(orow[r] + c, VMUL(VLOAD(acc + (int64_t)r * D + c), iv));
+        float *o = a->out + first_row + ((int64_t)(r / G) * a->Hq + r % G) * D;
+        for (int c = 0; c < D; c += VW) VSTORE(o + c, VMUL(VLOAD(acc + (int64_t)r * D + c), iv));
     }
 }
 
 static void pool_task(void *ctx, int tid, int nth) {
     (void)nth;
     const Args *a = (const Args *)ctx;
-    float *scratch = a->scratch + (int64_t)tid * paged_prefill_scratch_floats(a->Hq, a->Hkv, a->D, a->lmax);
+    float *scratch = a->scratch + (int64_t)tid * paged_prefill_scratch_floats(a->Hq, a->Hkv, a->D, a->lmax, a->k_kind, a->v_kind);
     for (int64_t t = atomic_fetch_add(a->next_task, 1); t < a->ntasks; t = atomic_fetch_add(a->next_task, 1))
         task(a, t, scratch);
 }
 #endif
 
-/* Returns 0 on success, 1 on shapes it cannot take (D not a multiple of the vector width or over
- * 64 vectors, G * QT rows over 64 * QT). The caller checks page ids and lengths against the cache
+/* Returns 0 on success, 1 on shapes it cannot take (D not a multiple of the vector width). The caller checks page ids and lengths against the cache
  * and the table, q_start / q_len against q, and scratch's size (kernels/paged_prefill.py). */
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
                   const uint16_t *v_scale, int k_kind, int v_kind, int G, const int32_t *page_table, int max_pages,
                   const int32_t *seq_lens, const int32_t *q_start, const int32_t *q_len, float *out, int B, int Hq,
                   int Hkv, int D, int S, float scale, float *scratch, int lmax, int nthreads) {
 #if PREFILL_SIMD
-    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || Hq / Hkv > 64 || D < VW || D % VW || S < 1 || lmax < 1)
+    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < VW || D % VW || S < 1 || lmax < 1)
         return 1;
     for (int i = 0; i < 2; i++) {
         const int kind = i ? v_kind : k_kind;
