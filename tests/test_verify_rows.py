@@ -9,31 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.verify_rows_cost import forward
 from engine import Model, PagedCache
-from engine.model import ForwardBatch
-from kernels.attention import build_metadata
 from kernels.decode_step import DecodeStep
-
-
-def _forward(model, cache, ids, start, table, as_rows):
-    """Tokens `ids` at positions start.. of one sequence on pages `table`: as decode rows (one
-    pseudo-sequence each) or as one chunk; logits of every token."""
-    ps, k = cache.page_size, len(ids)
-    pos = list(range(start, start + k))
-    if as_rows:
-        meta = build_metadata([1] * k, [p + 1 for p in pos], [table] * k, ps, cache.null_page, torch.device("cpu"))
-    else:
-        meta = build_metadata([k], [start + k], [table], ps, cache.null_page, torch.device("cpu"))
-    batch = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-                         slot_mapping=torch.tensor([table[p // ps] * ps + p % ps for p in pos]),
-                         attn=meta, logits_indices=torch.arange(k))
-    return model.forward(batch, cache)
 
 
 def _fresh(model, prompt, table):
     cache = PagedCache(model, max_tokens=16 * 64, page_size=16, mode="fp32")
     cache.fill_unused(float("nan"))                         # a row reading past its length would show
-    _forward(model, cache, prompt, 0, table, as_rows=False)
+    forward(model, cache, prompt, 0, table, as_rows=False)
     return cache
 
 
@@ -52,14 +36,14 @@ def test_draft_rows_are_bitwise_one_step_at_a_time(which, native_step, tiny_mode
     draft = torch.randint(0, vocab, (6,), generator=g).tolist()
     table = [5, 2, 9, 0]                                    # 64 positions on shuffled pages
     one_cache = _fresh(model, prompt, table)
-    one = torch.cat([_forward(model, one_cache, [t], len(prompt) + i, table, as_rows=True)
+    one = torch.cat([forward(model, one_cache, [t], len(prompt) + i, table, as_rows=True)
                      for i, t in enumerate(draft)])
     rows_cache = _fresh(model, prompt, table)
-    rows = _forward(model, rows_cache, draft, len(prompt), table, as_rows=True)
+    rows = forward(model, rows_cache, draft, len(prompt), table, as_rows=True)
     assert torch.isfinite(rows).all()
     assert torch.equal(rows, one)
     assert runs == ([1] * len(draft) + [len(draft)] if native_step else [])   # the path meant ran
     for i in range(len(model.layers)):                      # and the same K/V left in the pages
         assert torch.equal(rows_cache.layer(i).k[table].nan_to_num(0), one_cache.layer(i).k[table].nan_to_num(0))
-    chunk = _forward(model, _fresh(model, prompt, table), draft, len(prompt), table, as_rows=False)
+    chunk = forward(model, _fresh(model, prompt, table), draft, len(prompt), table, as_rows=False)
     torch.testing.assert_close(chunk, one, atol=1e-4, rtol=1e-4)
