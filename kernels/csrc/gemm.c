@@ -18,7 +18,7 @@
  * uses tiles spanning several panels so a tile still has 8-12 independent chains. A call whose
  * rows fit one block (a decode step) runs in k-blocks of at most KC, so the weights' slice and
  * the rows' slices stay in L1 while every tile uses them; the partial sums are stored and
- * reloaded exactly, so the chain is unchanged. Columns (panels) are split over the threads of the
+ * reloaded exactly, so the chain is unchanged. Columns (panels) go to the threads of the
  * shared persistent pool (pool.h).
  *
  * Built with AVX-512 (-march=native on a CPU that has it), the same scheme runs on 512-bit
@@ -27,6 +27,7 @@
  *
  * Without AVX2 and FMA at compile time gemm_supported() returns 0 and nothing else may be called.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,9 @@
 #define PW 16                       /* columns per panel */
 #define A_BLOCK_BYTES (192 * 1024)  /* rows of x kept hot while the panels stream */
 #define MAX_BLOCK_ROWS 120          /* and at most this many (a multiple of 6) */
+#ifndef GEMM_CHUNKS
+#define GEMM_CHUNKS 8             /* panel ranges per thread (claimed dynamically) */
+#endif
 #define CARRY_FLOATS ((MAX_BLOCK_ROWS / 6 + 2) * 8 * 2 * PW)   /* every tile of a block, either width */
 
 int gemm_supported(void) { return GEMM_SIMD; }
@@ -92,7 +96,21 @@ typedef struct {
     float *y;
     int64_t ldx;
     int M, N, K, np;
+    int chunks;                    /* the panel units are split into this many ranges, */
+    atomic_int next;               /* claimed one at a time by the threads */
 } Gemm;
+
+/* Ranges of panel units [ub, ue) claimed until none are left: a thread that the OS takes off its
+ * core holds up only the range it holds, not a fixed half of the panels (on a shared 2-core
+ * machine a static split waited for the slower thread at every call). Which thread computes a
+ * column does not change its chain, so outputs are the same bitwise. */
+static int claim(Gemm *g, int units, int *ub, int *ue) {
+    const int c = atomic_fetch_add(&g->next, 1);
+    if (c >= g->chunks) return 0;
+    *ub = (int)((int64_t)units * c / g->chunks);
+    *ue = (int)((int64_t)units * (c + 1) / g->chunks);
+    return 1;
+}
 
 /* acc [R][P*16] -> y rows i0.., columns from panel p0, with bias and residual. */
 static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *acc) {
@@ -249,7 +267,7 @@ static void tile_1x4(const Gemm *g, int i0, int p0, int prefetch) {
 static void few_rows(const Gemm *g, int pb, int pe) {
     int p = pb;
     if (g->M == 1)
-        for (; p + 4 <= pe; p += 4) tile_1x4(g, 0, p, p + 8 <= pe);
+        for (; p + 4 <= pe; p += 4) tile_1x4(g, 0, p, p + 8 <= g->np);
     else
         for (; p + 3 <= pe; p += 3) tile_2x3(g, 0, 2, p);
     for (; p < pe; p++) tile_rows(g, 0, g->M, p);
@@ -288,7 +306,7 @@ static void blocked_rows(const Gemm *g, int pb, int pe, const int MR, const int 
                 const int kn = k0 + kc <= K ? kc : K - k0;
                 /* the slice after this one (the rest of these panels, else the next group's first),
                  * prefetched in equal parts by the tiles */
-                const int rest = k0 + kn < K ? K - k0 - kn : (q + P < pe ? K : 0);
+                const int rest = k0 + kn < K ? K - k0 - kn : (q + P < g->np ? K : 0);
                 const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
                 const float *next = k0 + kn < K ? panel + (int64_t)(k0 + kn) * PW : panel + P * ps;
                 for (int j = 0, i = i0; j < t; j++) {
@@ -314,18 +332,18 @@ static void avx2_tile(int R, int P, const float *x0, int64_t ldx, const float *b
     TILES[R](x0, ldx, bp, k0, kn, carry, first, pf, pf_n);
 }
 
-/* Thread tid's share: a contiguous range of panels, all rows. One or two rows (a memory-bound
- * decode step) go through the wide 1 x 64 and 2 x 48 tiles, more rows through blocked_rows' tiles
- * of up to 6 rows by one panel. */
+/* Claimed ranges of panels, all rows. One or two rows (a memory-bound decode step) go through the
+ * wide 1 x 64 and 2 x 48 tiles, more rows through blocked_rows' tiles of up to 6 rows by one panel. */
 static void run_part(void *ctx, int tid, int nth) {
-    const Gemm *g = (const Gemm *)ctx;
-    /* an even split of the panels */
-    const int pb = (int)((int64_t)g->np * tid / nth), pe = (int)((int64_t)g->np * (tid + 1) / nth);
-    if (pb >= pe) return;
-    if (g->M <= 2)
-        few_rows(g, pb, pe);
-    else
-        blocked_rows(g, pb, pe, 6, 1, avx2_tile);
+    (void)tid; (void)nth;
+    Gemm *g = (Gemm *)ctx;
+    for (int pb, pe; claim(g, g->np, &pb, &pe);) {
+        if (pb >= pe) continue;
+        if (g->M <= 2)
+            few_rows(g, pb, pe);
+        else
+            blocked_rows(g, pb, pe, 6, 1, avx2_tile);
+    }
 }
 
 
@@ -390,25 +408,27 @@ static void ztile_any(int R, int P, const float *x0, int64_t ldx, const float *b
     ZTILES[P][R](x0, ldx, bp, ps, k0, kn, carry, first, pf, pf_n);
 }
 
-/* Thread tid's share: an even split of panel pairs. One or two rows: tiles of 4 panels over all
- * of k. More rows: blocked_rows with tiles of up to 8 rows by 2 panels. */
+/* Claimed ranges of panel pairs. One or two rows: tiles of 4 panels over all of k. More rows:
+ * blocked_rows with tiles of up to 8 rows by 2 panels. */
 static void run_part_z(void *ctx, int tid, int nth) {
-    const Gemm *g = (const Gemm *)ctx;
+    (void)tid; (void)nth;
+    Gemm *g = (Gemm *)ctx;
     const int units = (g->np + ZP - 1) / ZP;
-    const int ub = (int)((int64_t)units * tid / nth), ue = (int)((int64_t)units * (tid + 1) / nth);
-    const int pb = ub * ZP, pe = ue * ZP < g->np ? ue * ZP : g->np;
-    if (pb >= pe) return;
-    if (g->M > 2) {
-        blocked_rows(g, pb, pe, ZR, ZP, ztile_any);
-        return;
-    }
     const int64_t ps = (int64_t)g->K * PW;
-    float carry[2 * 4 * PW];
-    for (int q = pb; q < pe; q += 4) {
-        const int P = pe - q < 4 ? pe - q : 4;
-        ZFEW[g->M][P](g->x, g->ldx, g->packed + q * ps, ps, 0, g->K, carry, 1, g->packed + (q + P) * ps,
-                      q + P < pe ? g->K : 0);
-        epilogue(g, 0, g->M, q, P, carry);
+    for (int ub, ue; claim(g, units, &ub, &ue);) {
+        const int pb = ub * ZP, pe = ue * ZP < g->np ? ue * ZP : g->np;
+        if (pb >= pe) continue;
+        if (g->M > 2) {
+            blocked_rows(g, pb, pe, ZR, ZP, ztile_any);
+            continue;
+        }
+        float carry[2 * 4 * PW];
+        for (int q = pb; q < pe; q += 4) {
+            const int P = pe - q < 4 ? pe - q : 4;
+            ZFEW[g->M][P](g->x, g->ldx, g->packed + q * ps, ps, 0, g->K, carry, 1, g->packed + (q + P) * ps,
+                          q + P < g->np ? g->K : 0);
+            epilogue(g, 0, g->M, q, P, carry);
+        }
     }
 }
 #define GEMM_Z 1
@@ -424,11 +444,14 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
 #if GEMM_SIMD
     if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
     if (M == 0) return 0;
-    Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW};
+    Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW, 1, 0};
     int nth = nthreads < 1 ? 1 : nthreads;
     if (nth > g.np) nth = g.np;
     /* below ~64k multiply-adds a second thread costs more than it saves */
     if ((int64_t)M * N * K < 65536) nth = 1;
+    /* one or two rows stream the weights from memory: one long range per thread keeps each stream
+     * whole (ranges of a sixteenth made a 1-row call 1.25x slower here); more rows claim smaller ones */
+    if (nth > 1) g.chunks = M <= 2 ? nth : nth * GEMM_CHUNKS;
 #if GEMM_Z
     if (gemm_width() == 512) return evalrun_pool_run(run_part_z, &g, nth);
 #endif
