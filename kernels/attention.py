@@ -35,8 +35,8 @@ sequence's last partial block after its attention.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,8 @@ class AttentionMetadata:
     # stores: decode tokens before attention, prefill sequences' last partial block after
     window_store_decode: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     window_store_prefill: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # what a kernel derived from this metadata for its first layer, kept for the others (by kernel)
+    kernel_args: dict[str, Any] = field(default_factory=dict)
 
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[list[int]],
@@ -193,8 +195,8 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
            prefill: Optional[PrefillFn] = None) -> torch.Tensor:
     """Paged attention of every sequence of the batch, in q's dtype [T, Hq, D]: the decode
     group through `decode` (default: the torch reference), prefill sequences through `prefill`
-    (formats without a window; default: SDPA on each one's gathered context). Rotating formats: q rotated in, the output rotated out
-    (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
+    (formats without a window; default: SDPA on each one's gathered context). Rotating formats:
+    q rotated in, the output rotated out (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
     K/V (as written to the cache), which a windowed format needs."""
     fmt = layer.fmt
     if fmt.rotate:
@@ -209,9 +211,10 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
     out = torch.empty_like(q)
     if meta.num_decode:
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
-    if prefill is not None and fresh is None and meta.prefill:
+    native_prefill = prefill is not None and fresh is None
+    if native_prefill and meta.prefill:
         out[meta.prefill[0].q_start:] = prefill(q, layer, meta, scale)
-    for seq in meta.prefill if prefill is None or fresh is not None else ():
+    for seq in () if native_prefill else meta.prefill:
         if fresh is not None:
             _prefill_windowed(q, fresh, layer, seq, scale, out)
             continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -51,18 +52,42 @@ def supported(q: torch.Tensor, layer: LayerKV) -> bool:
             and layout_supported(q, layer) and available())
 
 
-def num_threads(q_lens: torch.Tensor, seq_lens: torch.Tensor, hq: int, d: int) -> int:
-    """A second thread pays for its hand-over only with enough work (~2M multiply-adds)."""
-    work = int((q_lens.long() * seq_lens.long()).sum()) * hq * d
-    return 1 if work < 2 ** 21 else max(1, torch.get_num_threads())
+def num_threads(work: int, hq: int, d: int) -> int:
+    """Threads for `work` query-key pairs per head: a second thread pays for its hand-over only with
+    enough work (~2M multiply-adds)."""
+    return 1 if work * hq * d < 2 ** 21 else max(1, torch.get_num_threads())
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """The prefill sequences as the C kernel reads them (int32, contiguous)."""
+    table: torch.Tensor            # [B, max_pages]
+    lens: torch.Tensor             # [B] context lengths
+    q_lens: torch.Tensor           # [B]
+    q_starts: torch.Tensor         # [B] first row of each in the packed q
+    lmax: int                      # max(1, max(lens))
+    work: int                      # sum of q_len * length (query-key pairs per head)
+
+    @classmethod
+    def of(cls, page_table: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor) -> "Sequences":
+        qn = q_lens.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        return cls(page_table.to(torch.int32).contiguous(), lens, qn,
+                   (torch.cumsum(qn, 0, dtype=torch.int32) - qn).contiguous(),
+                   max(1, int(lens.max())) if len(lens) else 1, int((qn.long() * lens.long()).sum()))
 
 
 def prefill_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The prefill sequences of a batch whose metadata build_metadata checked (a `PrefillFn`):
-    q [T, Hq, D] of the whole batch -> [T - first prefill row, Hq, D]."""
-    nd = meta.num_decode
-    cu = meta.cu_seqlens_q[nd:].long()
-    return _call(q[int(cu[0]):], layer, meta.page_table[nd:], meta.seq_lens_k[nd:], cu[1:] - cu[:-1], scale)
+    q [T, Hq, D] of the whole batch -> [T - first prefill row, Hq, D]. Their int32 tables are made
+    once per forward (kept on the metadata, which every layer shares)."""
+    seqs = meta.kernel_args.get("paged_prefill")
+    if seqs is None:
+        nd = meta.num_decode
+        cu = meta.cu_seqlens_q[nd:].long()
+        seqs = meta.kernel_args["paged_prefill"] = Sequences.of(meta.page_table[nd:], meta.seq_lens_k[nd:],
+                                                                cu[1:] - cu[:-1])
+    return _call(q[meta.prefill[0].q_start:], layer, seqs, scale)
 
 
 def paged_prefill_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -82,7 +107,7 @@ def paged_prefill_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tens
     if int(q_lens.sum()) != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows, the sequences' q_lens sum to {int(q_lens.sum())}")
     check_pages(page_table, seq_lens, layer.page_size, layer.k.shape[0] - 1)
-    return _call(q, layer, page_table, seq_lens, q_lens, scale)
+    return _call(q, layer, Sequences.of(page_table, seq_lens, q_lens), scale)
 
 
 def _scratch(floats: int) -> torch.Tensor:
@@ -92,28 +117,23 @@ def _scratch(floats: int) -> torch.Tensor:
     return buf
 
 
-def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
-          q_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float) -> torch.Tensor:
     t, hq, d = q.shape
-    b, s, hkv = page_table.shape[0], layer.page_size, layer.num_kv_heads
+    b, s, hkv = seqs.table.shape[0], layer.page_size, layer.num_kv_heads
     if b == 0:
         return torch.empty(0, hq, d, dtype=q.dtype)
     lib = _lib()
     qf = q.float().contiguous()
-    table = page_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    qn = q_lens.to(torch.int32).contiguous()
-    starts = (torch.cumsum(qn, 0, dtype=torch.int32) - qn).contiguous()
-    lmax = max(1, int(lens.max()))
-    threads = num_threads(qn, lens, hq, d)
+    threads = num_threads(seqs.work, hq, d)
     k_kind, v_kind = kinds(layer)
-    scratch = _scratch(threads * lib.paged_prefill_scratch_floats(hq, hkv, d, lmax, k_kind, v_kind))
+    scratch = _scratch(threads * lib.paged_prefill_scratch_floats(hq, hkv, d, seqs.lmax, k_kind, v_kind))
     out = torch.empty(t, hq, d, dtype=torch.float32)
     ptr = lambda x: None if x is None else x.data_ptr()     # noqa: E731
     rc = lib.paged_prefill(qf.data_ptr(), layer.k.data_ptr(), layer.v.data_ptr(), ptr(layer.k_scale),
-                           ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size, table.data_ptr(),
-                           table.shape[1], lens.data_ptr(), starts.data_ptr(), qn.data_ptr(), out.data_ptr(),
-                           b, hq, hkv, d, s, scale, scratch.data_ptr(), lmax, threads)
+                           ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size, seqs.table.data_ptr(),
+                           seqs.table.shape[1], seqs.lens.data_ptr(), seqs.q_starts.data_ptr(),
+                           seqs.q_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, s, scale, scratch.data_ptr(),
+                           seqs.lmax, threads)
     if rc != 0:
         raise ValueError(f"native paged prefill does not support Hq={hq}, Hkv={hkv}, D={d}, "
                          f"format {layer.fmt.name}")

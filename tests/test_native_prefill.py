@@ -132,6 +132,10 @@ def test_metadata_prefill_rows_follow_the_decode_group():
     q, layer, meta = _paged_case(6, 2, 32, 8, [3, 20, 9, 30], "fp32", seed=3, q_lens=[1, 1, 9, 4])
     out = paged_prefill.prefill_native(q, layer, meta, 0.2)
     assert out.shape == (13, 6, 32)
+    seqs = meta.kernel_args["paged_prefill"]                 # derived once, for every layer
+    assert seqs.q_lens.tolist() == [9, 4] and seqs.q_starts.tolist() == [0, 9] and seqs.lmax == 30
+    assert torch.equal(paged_prefill.prefill_native(q, layer, meta, 0.2), out)
+    assert meta.kernel_args["paged_prefill"] is seqs
     torch.testing.assert_close(out, paged_attention_torch(q, layer, meta, 0.2)[2:], atol=2e-6, rtol=1e-5)
     only = build_metadata([9, 4], [9, 30], [meta.page_table[2].tolist(), meta.page_table[3].tolist()],
                           8, layer.k.shape[0] - 1, torch.device("cpu"))
