@@ -37,20 +37,18 @@ distinct `--curve-prompt-tokens` window (default 128) of the HumanEval prompts' 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
 from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, positive_int, ratio, timed,
-                               vllm_runner_command, write_result)
+                               paired_vllm_rounds, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
 from benchmarks.decode_curve import curve_point, humaneval_texts, report_curve
-from benchmarks.paired import OtherCpu, PairedPeer, PeerError, alternate, round_pairs
+from benchmarks.paired import OtherCpu, round_pairs
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_decode"
@@ -313,21 +311,10 @@ def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokeni
                      prompts: list[list[int]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """--rounds paired rounds of ours and vLLM (ABBA: ours first in even rounds), vLLM's engine
     started once (its prefix cache reset before each round); (our runs, vLLM's output JSON)."""
-    extra = ["--no-min-tokens"] if args.vllm_no_min_tokens else []
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
-        src.write_text(json.dumps({"prompts": prompts, "new_tokens": args.new_tokens}))
-        cmd, env = vllm_runner_command(args.vllm_python, "vllm_decode_runner.py", model_dir, args.dtype, src, dst,
-                                       *extra)
-        try:
-            with PairedPeer(cmd, env, dst) as peer:
-                print("  vLLM engine started")
-                ours, _ = alternate(peer, args.rounds, lambda: run_ours(args, model, tokenizer, prompts))
-                v = peer.finish()
-        except PeerError as e:
-            raise RuntimeError(str(e)) from None
-    print(f"  vLLM {v['vllm_version']}: engine start {v['load_seconds']:.1f} s (not timed)")
-    return ours, v
+    return paired_vllm_rounds(args.vllm_python, "vllm_decode_runner.py", model_dir, args.dtype,
+                              {"prompts": prompts, "new_tokens": args.new_tokens}, args.rounds,
+                              lambda: run_ours(args, model, tokenizer, prompts),
+                              *(["--no-min-tokens"] if args.vllm_no_min_tokens else []))
 
 
 def report_compare(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> None:

@@ -24,9 +24,7 @@ percent within minutes.
 """
 from __future__ import annotations
 
-import json
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -35,8 +33,8 @@ import torch
 
 from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
                                load_mmlu, mmlu_prompt, positive_int, ratio, select_mmlu,
-                               timed, vllm_runner_command, write_result)
-from benchmarks.paired import PairedPeer, PeerError, alternate, round_pairs
+                               paired_vllm_rounds, timed, write_result)
+from benchmarks.paired import round_pairs
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_mmlu_shaped"
@@ -163,17 +161,9 @@ def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokeni
     """--rounds paired rounds of ours and benchmarks/vllm_runner.py under --vllm-python on the same
     ids (both cores bound, VLLM_CPU_OMP_THREADS_BIND=0-1 unless set), its engine started once and
     not timed; (our runs, vLLM's output JSON with its median round as `seconds`)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
-        src.write_text(json.dumps({"prompts": [q.ids for q in questions], "choice_ids": choice_ids}))
-        cmd, env = vllm_runner_command(args.vllm_python, "vllm_runner.py", model_dir, args.dtype, src, dst)
-        try:
-            with PairedPeer(cmd, env, dst) as peer:
-                print("  vLLM engine started")
-                ours, _ = alternate(peer, args.rounds, lambda: run_ours(args, model, tokenizer, questions, choice_ids))
-                v = peer.finish()
-        except PeerError as e:
-            raise RuntimeError(str(e)) from None
+    ours, v = paired_vllm_rounds(args.vllm_python, "vllm_runner.py", model_dir, args.dtype,
+                                 {"prompts": [q.ids for q in questions], "choice_ids": choice_ids}, args.rounds,
+                                 lambda: run_ours(args, model, tokenizer, questions, choice_ids))
     v["logprobs"] = torch.tensor(v.pop("choice_logprobs"), dtype=torch.float32)
     v["seconds"] = statistics.median(v["round_seconds"])
     return ours, v

