@@ -73,7 +73,7 @@ def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, war
     for _ in range(warm):
         gen.iterate()
     head = _Timer(model, "_head")
-    sample = _Timer(generator_module, "_sample_rows")
+    sample = _Timer(generator_module, "choose_tokens")
     stages: dict[str, float] = {}
     wall, per_block = 0.0, []
     bounds = [steps * b // blocks for b in range(blocks + 1)]

@@ -13,7 +13,8 @@ from .scheduler import ScheduledChunk
 def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache,
                         device: torch.device) -> tuple[ForwardBatch, list[ScheduledChunk]]:
     """Returns the batch and the chunks that produce logits (in logits row order):
-    those whose chunk reaches the job's last known token."""
+    those whose chunk reaches the job's last known token. A chunk with draft tokens has
+    1 + len(draft) logit rows (its last known token's, then each draft token's)."""
     ps = cache.page_size
     ids: list[int] = []
     positions: list[int] = []
@@ -22,10 +23,23 @@ def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache,
     logit_rows, sampled = [], []
     for ch in chunks:
         job, table = ch.job, ch.job.state.page_table
-        ids.extend(_tokens(ch))
-        span = range(ch.start, ch.end)
+        tokens = _tokens(ch)
+        ids.extend(tokens)
+        span = range(ch.start, ch.start + len(tokens))
         positions.extend(span)
         slots.extend(table[p // ps] * ps + p % ps for p in span)
+        if ch.draft:
+            # NOTE: the last token and each draft token are rows of the decode group, each its own
+            # sequence over the job's pages that ends at its position: the logits of every row are
+            # bitwise those of one decode step at a time (tests/test_verify_rows.py)
+            for p in span:
+                q_lens.append(1)
+                seq_lens.append(p + 1)
+                tables.append(table[: -(-(p + 1) // ps)])
+                windows.append(job.state.window_slot)
+            logit_rows.extend(range(len(ids) - len(tokens), len(ids)))
+            sampled.append(ch)
+            continue
         q_lens.append(ch.num_tokens)
         seq_lens.append(ch.end)
         tables.append(table[: -(-ch.end // ps)])
@@ -49,6 +63,6 @@ def _tokens(ch: ScheduledChunk) -> list[int]:
     job = ch.job
     n = job.prompt_len
     if ch.end <= n:
-        return job.prompt_ids[ch.start: ch.end]
+        return job.prompt_ids[ch.start: ch.end] + ch.draft
     new = job.state.new_ids
-    return job.prompt_ids[ch.start: n] + new[max(ch.start - n, 0): ch.end - n]
+    return job.prompt_ids[ch.start: n] + new[max(ch.start - n, 0): ch.end - n] + ch.draft

@@ -9,21 +9,30 @@ import torch
 
 from .batch import build_forward_batch
 from .cache import PagedCache
+from .draft import NgramDrafter
 from .job import DynamicJob
 from .model import Model
 from .output import JobOutput
-from .sampler import SampleResult, SamplerSettings, greedy_tokens, sample
+from .sampler import SamplerSettings
 from .scheduler import ScheduledChunk, Scheduler
+from .speculation import DraftPolicy, SpecSettings, max_draft
 from .tokenizer import Tokenizer
 from .types import GeneratorResult, GeneratorStats
+from .verify import choose_tokens, mark_nonfinite
 
 _COUNTERS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
-             "peak_batch_size", "forward_passes")
+             "peak_batch_size", "forward_passes", "drafted_tokens", "accepted_draft_tokens")
 
 
 class DynamicGenerator:
     def __init__(self, model: Model, cache: PagedCache, tokenizer: Optional[Tokenizer] = None,
-                 max_batch_size: Optional[int] = None, max_chunk_size: int = 2048):
+                 max_batch_size: Optional[int] = None, max_chunk_size: int = 2048,
+                 draft_model: Optional[Model] = None, draft_cache: Optional[PagedCache] = None,
+                 num_draft_tokens: int = 4, use_ngram_draft: bool = False, max_ngram: int = 4,
+                 min_ngram: int = 1, adaptive_draft: bool = True):
+        """Speculative decoding (engine/speculation.py) with use_ngram_draft (drafts looked up in
+        each job's own tokens) or a draft_model with its draft_cache: up to num_draft_tokens per
+        job and step, as many as pay for themselves (adaptive_draft=False: every proposal)."""
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}")
         if not isinstance(max_chunk_size, int) or max_chunk_size < 1:
@@ -33,10 +42,14 @@ class DynamicGenerator:
                 f"tokenizer/model vocab mismatch: the tokenizer has {tokenizer.vocab_size} tokens, "
                 f"the model's embedding only {model.config.vocab_size}"
             )
+        self.spec = SpecSettings(num_draft_tokens, use_ngram_draft, max_ngram, min_ngram, adaptive_draft)
+        if draft_model is not None or draft_cache is not None:
+            raise ValueError("draft_model drafting is not available yet; use use_ngram_draft=True")
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(cache.pool, max_batch_size, max_chunk_size, cache.window, cache.window_slots)
+        self.policy = DraftPolicy(self.spec) if use_ngram_draft else None
         self.outputs: dict[int, JobOutput] = {}
         self.counters = dict.fromkeys(_COUNTERS, 0)
 
@@ -88,12 +101,15 @@ class DynamicGenerator:
             job.state.time_started = now
             self.outputs[id(job)] = JobOutput(job, self.tokenizer)
             self.counters["cached_tokens"] += job.state.cached_tokens
+            if self.spec.use_ngram_draft:
+                job.state.drafter = NgramDrafter(job.prompt_ids, self.spec.max_ngram, self.spec.min_ngram)
         self.counters["peak_batch_size"] = max(self.counters["peak_batch_size"], len(sched.active))
-        chunks = sched.plan()
+        chunks = sched.plan(self._drafts() if self.policy is not None else None)
         if not chunks:
             if sched.active or sched.queue:
                 raise RuntimeError("scheduler made no progress (no runnable job) — this is a bug")
             return []
+        t0 = time.perf_counter()
         for copy in sched.take_copies(chunks):
             self.cache.copy_prefix(copy.src_page, copy.dst_page, copy.num_tokens)
         sched.copies_done(chunks)
@@ -102,22 +118,55 @@ class DynamicGenerator:
         self.counters["forward_passes"] += 1
         for ch in chunks:
             self.counters["prefill_tokens"] += max(0, min(ch.end, ch.job.prompt_len) - ch.start)
-            sched.computed(ch)
+            if not ch.draft:
+                sched.computed(ch)
         results = self._sample(sampled, logits)
+        if self.policy is not None and all(ch.num_tokens == 1 for ch in chunks):
+            self.policy.observe_step(sum(ch.num_rows for ch in chunks), time.perf_counter() - t0)
         if not self.num_remaining_jobs():
             self.cache.defragment()
         return results
 
+    def _drafts(self) -> dict[int, list[int]]:
+        """Draft tokens of the decoding jobs that are worth verifying this step (by job id)."""
+        sched, spec = self.scheduler, self.spec
+        jobs = [j for j in sched.decoding() if sched.ready(j)]
+        proposals = {}
+        for job in jobs:
+            st = job.state
+            k = max_draft(job.num_tokens, len(st.new_ids), job.max_new_tokens, self.model.max_seq_len,
+                          self.cache.window, spec.num_draft_tokens)
+            draft = st.drafter.propose(k) if k and st.drafter is not None else []
+            if draft:
+                proposals[id(job)] = draft
+        if not proposals:
+            return {}
+        prefill = sum(j.num_tokens - j.state.num_computed_tokens for j in sched.active) - len(jobs)
+        rows = min(sched.max_chunk_size, len(jobs) + prefill)
+        return self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, rows, len(jobs))
+
     def _sample(self, sampled: list[ScheduledChunk], logits: torch.Tensor) -> list[GeneratorResult]:
         jobs = [ch.job for ch in sampled]
         logits_cpu = logits.cpu() if any(job.return_logits for job in jobs) else None   # as computed
-        logits = _mark_nonfinite(jobs, logits)
-        samples = _sample_rows(jobs, logits)
-        results = []
-        for row, (ch, smp) in enumerate(zip(sampled, samples)):
+        logits = mark_nonfinite([ch.job for ch in sampled for _ in range(1 + len(ch.draft))], logits)
+        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits)
+        results, row = [], 0
+        for ch, kept in zip(sampled, chosen):
             job = ch.job
-            result = self.outputs[id(job)].accept(smp, None if logits_cpu is None else logits_cpu[row])
-            self.counters["generated_tokens"] += 1
+            if ch.draft:                                     # recorded first: a final result reports it
+                DraftPolicy.record(job.state.draft, len(ch.draft), len(kept) - 1)
+                self.counters["drafted_tokens"] += len(ch.draft)
+                self.counters["accepted_draft_tokens"] += len(kept) - 1
+            before = len(job.state.new_ids)
+            result = self.outputs[id(job)].accept(
+                kept, None if logits_cpu is None else logits_cpu[row: row + len(kept)])
+            row += 1 + len(ch.draft)
+            added = job.state.new_ids[before:]
+            self.counters["generated_tokens"] += len(added)
+            if ch.draft:
+                self.scheduler.computed(ch, min(len(kept) - 1, len(added)))
+            if job.state.drafter is not None:
+                job.state.drafter.extend(added)
             if result["eos"]:
                 self.scheduler.finish(job)
                 del self.outputs[id(job)]
@@ -175,66 +224,3 @@ def _per_prompt(settings: Any, n: int) -> list[Optional[SamplerSettings]]:
     if len(settings) != n:
         raise ValueError(f"gen_settings has {len(settings)} entries for {n} prompts")
     return settings
-
-
-def _mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor:
-    """Count, per job, the sampled positions whose logits hold a NaN or an Inf (a broken model or
-    an overflow; results carry the count as "nonfinite_logits" so a task can refuse or flag the
-    row), and give the sampler finite rows in their place: NaN as -inf, +inf as the largest float,
-    a row with nothing left above -inf as all zeros. Rows that are finite are returned untouched.
-    The common case costs one sum over the logits (NaN and Inf carry into it; 0.13 ms for 32 x 49,152
-    here, where torch.isfinite(...).all() took 3.3 ms); a non-finite sum is checked row by row."""
-    if math.isfinite(float(logits.sum())):
-        return logits
-    bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
-    if not bad:                                 # finite rows whose sum overflowed
-        return logits
-    logits = logits.clone()
-    big = torch.finfo(logits.dtype).max
-    for i in bad:
-        jobs[i].state.nonfinite_logits += 1
-        row = torch.nan_to_num(logits[i], nan=float("-inf"), posinf=big, neginf=float("-inf"))
-        logits[i] = row if bool((row > float("-inf")).any()) else torch.zeros_like(row)
-    return logits
-
-
-def _sample_rows(jobs: list[DynamicJob], logits: torch.Tensor) -> list[SampleResult]:
-    """Greedy jobs without penalties or extras share one argmax (stop tokens banned before
-    min_new_tokens at -inf for it, as `sample` bans them); the rest sample alone."""
-    out: list[Optional[SampleResult]] = [None] * len(jobs)
-    fast = [i for i, j in enumerate(jobs) if _plain_greedy(j)]
-    if fast:
-        rows = logits if len(fast) == len(jobs) else logits[fast]
-        bans = [(r, t) for r, i in enumerate(fast) for t in _banned(jobs[i])]     # ids checked at enqueue
-        if bans:                  # -inf in place for the argmax, then the caller's values back (no copy)
-            where = tuple(torch.tensor(list(ix)) for ix in zip(*bans))
-            with torch.inference_mode(rows.is_inference()):      # the model's logits are inference tensors
-                saved = rows[where].clone()
-                rows[where] = float("-inf")
-                try:
-                    tokens = greedy_tokens(rows).tolist()
-                finally:
-                    rows[where] = saved
-        else:
-            tokens = greedy_tokens(rows).tolist()
-        for i, t in zip(fast, tokens):
-            out[i] = SampleResult(token=t, prob=float("nan"), probs=None)
-    for i, job in enumerate(jobs):
-        if out[i] is None:
-            out[i] = sample(logits[i], job.gen_settings, _history(job), job.state.rng, _banned(job))
-    return out
-
-
-def _plain_greedy(job: DynamicJob) -> bool:
-    s = job.gen_settings
-    return s.is_greedy and not s.needs_history and not job.return_probs and not job.return_top_tokens
-
-
-def _banned(job: DynamicJob) -> list[int]:
-    return sorted(job.stop_tokens) if len(job.state.new_ids) < job.min_new_tokens else []
-
-
-def _history(job: DynamicJob) -> Optional[torch.Tensor]:
-    if not job.gen_settings.needs_history:
-        return None
-    return torch.tensor(job.prompt_ids + job.state.new_ids, dtype=torch.long)

@@ -6,7 +6,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .draft import NgramDrafter
 from .sampler import SamplerSettings, make_generator
+from .speculation import DraftRecord
 from .stops import split_stop_conditions
 
 
@@ -88,6 +90,8 @@ class JobState:
     time_started: float = 0.0
     time_first_token: float = 0.0
     nonfinite_logits: int = 0             # sampled positions whose logits held a NaN or an Inf
+    drafter: Optional[NgramDrafter] = None    # n-gram drafting over the job's kept tokens
+    draft: DraftRecord = field(default_factory=DraftRecord)   # speculative drafting history
 
 
 def _as_id_list(ids: Sequence[int] | torch.Tensor) -> list[int]:

@@ -15,7 +15,7 @@ from .types import GeneratorResult
 
 
 class JobOutput:
-    """Owns a running job's text state; `accept` turns one sampled token into a result."""
+    """Owns a running job's text state; `accept` turns the tokens of one step into a result."""
 
     def __init__(self, job: DynamicJob, tokenizer: Optional[Tokenizer]):
         self.job = job
@@ -23,19 +23,27 @@ class JobOutput:
         self.matcher = StopStringMatcher(job.stop_strings) if job.stop_strings else None
         self.text: list[str] = []
 
-    def accept(self, sample: SampleResult, logits: Optional[torch.Tensor]) -> GeneratorResult:
+    def accept(self, samples: list[SampleResult], logits: Optional[torch.Tensor]) -> GeneratorResult:
+        """The job's next tokens, in order (several when draft tokens were accepted); tokens
+        after the one that ends the job are dropped. logits: [len(samples), V] or None."""
         job, st = self.job, self.job.state
-        token = sample.token
-        st.new_ids.append(token)
-        if len(st.new_ids) == 1:
-            st.time_first_token = time.time()
-        reason, text = self._advance(token)
+        reason, texts, kept = None, [], 0
+        for smp in samples:
+            st.new_ids.append(smp.token)
+            if len(st.new_ids) == 1:
+                st.time_first_token = time.time()
+            kept += 1
+            reason, text = self._advance(smp.token)
+            texts.append(text)
+            if reason is not None:
+                break
+        text = "".join(texts)
         self.text.append(text)
         result: GeneratorResult = {
             "job": job, "identifier": job.identifier, "stage": "streaming",
-            "eos": reason is not None, "text": text, "token_ids": [token],
+            "eos": reason is not None, "text": text, "token_ids": [s.token for s in samples[:kept]],
         }
-        self._extras(result, sample, logits)
+        self._extras(result, samples[:kept], None if logits is None else logits[:kept])
         if reason is not None:
             self._finish(result, reason)
         return result
@@ -61,15 +69,15 @@ class JobOutput:
             tail += self.matcher.flush()
         return tail
 
-    def _extras(self, result: GeneratorResult, sample: SampleResult, logits: Optional[torch.Tensor]) -> None:
+    def _extras(self, result: GeneratorResult, samples: list[SampleResult], logits: Optional[torch.Tensor]) -> None:
         job = self.job
         if job.return_logits and logits is not None:
-            result["logits"] = logits[None].clone()
+            result["logits"] = logits.clone()
         if job.return_top_tokens:
-            tokens, probs = top_k_of(sample.probs, job.return_top_tokens)
-            result["top_k_tokens"], result["top_k_probs"] = [tokens], [probs]
+            tops = [top_k_of(s.probs, job.return_top_tokens) for s in samples]
+            result["top_k_tokens"], result["top_k_probs"] = [t for t, _ in tops], [p for _, p in tops]
         if job.return_probs:
-            result["token_probs"] = [sample.prob]
+            result["token_probs"] = [s.prob for s in samples]
 
     def _finish(self, result: GeneratorResult, reason: str) -> None:
         st, now = self.job.state, time.time()
@@ -83,4 +91,6 @@ class JobOutput:
             time_prefill=st.time_first_token - st.time_started,
             time_generate=now - st.time_first_token,
             nonfinite_logits=st.nonfinite_logits,
+            drafted_tokens=st.draft.drafted,
+            accepted_draft_tokens=st.draft.accepted,
         )

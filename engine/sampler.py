@@ -191,20 +191,30 @@ def sample(
     penalised logits (lowest id on ties) and draws nothing; otherwise exactly
     one float64 `torch.rand(1, generator=generator)` draw is used, by inverse CDF.
     """
-    logits = _ban(logits, banned_tokens)
-    if s.needs_history:
-        if history is None:
-            raise ValueError("these sampler settings use penalties, so sample() needs the token history")
-        logits = apply_penalties(logits, history, s)
-    probs = sampling_probs(logits, s)  # [V]
+    logits, probs = target_distribution(logits, s, history, banned_tokens)
     if s.is_greedy:
         token = int(torch.argmax(logits))
     else:
         if generator is None:
             raise ValueError(f"temperature={s.temperature} samples at random, so sample() needs a generator")
-        u = float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
-        token = inverse_cdf(probs, u)
+        token = inverse_cdf(probs, draw(generator))
     return SampleResult(token=token, prob=float(probs[token]), probs=probs)
+
+
+def target_distribution(logits: Tensor, s: SamplerSettings, history: Optional[Tensor],
+                        banned_tokens: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
+    """(banned and penalised logits [V], the final distribution [V]) that `sample` draws from."""
+    logits = _ban(logits, banned_tokens)
+    if s.needs_history:
+        if history is None:
+            raise ValueError("these sampler settings use penalties, so sample() needs the token history")
+        logits = apply_penalties(logits, history, s)
+    return logits, sampling_probs(logits, s)
+
+
+def draw(generator: torch.Generator) -> float:
+    """One uniform in [0, 1) from the job's generator (float64): a job's only source of randomness."""
+    return float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
 
 
 def _ban(logits: Tensor, banned_tokens: Sequence[int]) -> Tensor:

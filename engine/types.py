@@ -31,6 +31,8 @@ class GeneratorResult(_ResultBase, total=False):
     time_generate: float          # seconds from the first to the last sampled token
     nonfinite_logits: int         # sampled positions whose logits held a NaN or Inf (the sampler got
                                   # them made finite: the tokens of such a job are not to be trusted)
+    drafted_tokens: int           # speculative draft tokens the target verified for this job
+    accepted_draft_tokens: int    # of them, kept (each saved one forward of the target)
 
 
 class GeneratorStats(TypedDict):
@@ -44,3 +46,5 @@ class GeneratorStats(TypedDict):
     pages_evicted: int            # cached pages reclaimed for new work (prompt cache evictions)
     peak_batch_size: int          # most jobs active at once
     forward_passes: int
+    drafted_tokens: int           # speculative draft tokens verified (0 without drafting)
+    accepted_draft_tokens: int    # of them, kept: generated_tokens / forward_passes rises with these

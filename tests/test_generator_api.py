@@ -272,7 +272,8 @@ def test_seeded_sampling_is_independent_of_batch_mix(tiny: Engine) -> None:
 
 BASE_KEYS = {"job", "identifier", "stage", "eos", "text", "token_ids"}
 EOS_KEYS = {"eos_reason", "full_completion", "new_tokens", "prompt_tokens", "cached_tokens",
-            "time_enqueued", "time_prefill", "time_generate", "nonfinite_logits"}
+            "time_enqueued", "time_prefill", "time_generate", "nonfinite_logits",
+            "drafted_tokens", "accepted_draft_tokens"}
 EXTRA_KEYS = {"logits", "top_k_tokens", "top_k_probs", "token_probs"}
 
 

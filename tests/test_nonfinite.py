@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
-from engine.generator import _mark_nonfinite
+from engine.verify import mark_nonfinite as _mark_nonfinite
 from evalrun.cli import main
 from results import read_samples
 from tasks.mmlu import build_prompt

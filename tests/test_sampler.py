@@ -352,7 +352,7 @@ def test_batched_greedy_bans_stop_tokens_before_min_new_tokens_like_sample():
     each row's token is what `sample` gives on that row with the ban, and the logits the caller
     holds (returned to return_logits jobs) are not changed."""
     from engine import DynamicJob
-    from engine.generator import _banned, _sample_rows
+    from engine.verify import banned as _banned, sample_rows as _sample_rows
     from engine.sampler import SamplerSettings, sample
     torch.manual_seed(0)
     with torch.inference_mode():                  # as the model makes them

@@ -1,0 +1,186 @@
+"""Speculative decoding (Leviathan et al., arXiv 2211.17192): which draft tokens to verify, and
+the rule that accepts them. Plain Python and small pure functions; the generator runs them.
+
+A decoding job with a draft d1..dk is one chunk of k + 1 decode rows: its last token t and the
+drafts. Row i's logits give the target's distribution p_i for the token after it:
+
+    rows:     t     d1    d2   ...  dk
+    p_i:      p0    p1    p2        pk        p0 judges d1, p1 judges d2, ..., pk gives a bonus token
+
+Greedy: accept d_{i+1} while it is the argmax of p_i; the first mismatch is replaced by the
+argmax, so the output is token-identical to one-at-a-time greedy. Sampling, a draft token with
+probability q(d) under its proposer: accept it with probability min(1, p(d) / q(d)), else draw
+from the residual max(0, p - q), renormalised; each token then has exactly the law p
+(Leviathan et al., theorem 1). An n-gram draft is a point mass (q(d) = 1): accept with
+probability p(d), else draw from p with d removed.
+
+Which drafts are worth verifying (`DraftPolicy`): one more row in the forward costs time b,
+and a step of T rows takes t(T) = a + b T (fitted online from the generator's own decode steps,
+`StepCost`). Row i of job j's draft adds the expected tokens alpha_j^i (alpha_j: the job's
+recent acceptance rate). Tokens per second rise with the row exactly when
+
+    alpha_j^i * t(T) > b * E        (E: expected tokens of the step so far)
+
+so rows are taken in order of alpha_j^i while that holds: a job's draft length follows its
+acceptance, and a batch whose rows already keep the machine busy (b E large against t) drafts
+little or nothing. A margin above 1 keeps estimation error from making a step slower.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+PRIOR_ROW_COST = 0.1      # b / a before any decode step of two sizes was timed (a guess; data replace it)
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0    # acceptance starts at 1/2 and follows the job's own record
+HISTORY_DECAY = 0.8       # weight of a job's older verifications against its latest one
+COST_DECAY = 0.97         # weight of older step timings in the cost fit
+MARGIN = 1.15             # a row must pay back this many times its estimated cost
+EXPLORE_EVERY = 8         # every n-th decode step verifies the best draft row regardless, to time it
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """How the generator drafts: n-gram lookup in the job's own tokens (use_ngram_draft) or a
+    draft model (the generator's draft_model); at most num_draft_tokens per job and step."""
+    num_draft_tokens: int = 4
+    use_ngram_draft: bool = False
+    max_ngram: int = 4
+    min_ngram: int = 1
+    adaptive: bool = True            # False: always verify every proposed token (for tests)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
+                or self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}")
+        for name in ("max_ngram", "min_ngram"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
+
+
+# --- acceptance rules (pure) -------------------------------------------------------------------
+def accept_greedy(targets: Sequence[int], draft: Sequence[int]) -> int:
+    """Draft tokens kept: targets[i] is the target's choice after row i (len(draft) + 1 of them)."""
+    n = 0
+    while n < len(draft) and targets[n] == draft[n]:
+        n += 1
+    return n
+
+
+def accept_point_mass(p: torch.Tensor, token: int, u: float) -> bool:
+    """Keep a proposed token of probability 1 under its proposer: with probability p(token)."""
+    return u < float(p[token])
+
+
+def residual_point_mass(p: torch.Tensor, token: int) -> torch.Tensor:
+    """The law of the replacement after a point-mass proposal is rejected: p without token."""
+    r = p.clone()
+    r[token] = 0.0
+    return r / r.sum()
+
+
+def accept_ratio(p: torch.Tensor, q: torch.Tensor, token: int, u: float) -> bool:
+    """Keep a token drawn from q: with probability min(1, p(token) / q(token))."""
+    return u * float(q[token]) < float(p[token])
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), renormalised: the law of the replacement after a rejected draw from q."""
+    r = (p - q).clamp(min=0)
+    s = float(r.sum())
+    return p if s <= 0 else r / s
+
+
+# --- cost and acceptance estimates ---------------------------------------------------------------
+class StepCost:
+    """t(T) = a + b T for a decode step of T rows, by exponentially weighted least squares."""
+
+    def __init__(self) -> None:
+        self._w = self._t = self._y = self._tt = self._ty = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = COST_DECAY
+        self._w, self._t, self._y = d * self._w + 1, d * self._t + rows, d * self._y + seconds
+        self._tt, self._ty = d * self._tt + rows * rows, d * self._ty + rows * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(a, b) in seconds; b from the prior ratio while the timed steps are all one size."""
+        if self._w == 0:
+            return 1.0, PRIOR_ROW_COST
+        mean_t, mean_y = self._t / self._w, self._y / self._w
+        var = self._tt / self._w - mean_t ** 2
+        if var > 0.25:
+            b = (self._ty / self._w - mean_t * mean_y) / var
+            a = mean_y - b * mean_t
+            if b > 0 and a > 0:
+                return a, b
+        a = mean_y / (1 + PRIOR_ROW_COST * mean_t)
+        return a, PRIOR_ROW_COST * a
+
+
+@dataclass
+class DraftRecord:
+    """A job's drafting history (written by DraftPolicy only)."""
+    hits: float = PRIOR_HITS
+    trials: float = PRIOR_TRIALS
+    drafted: int = 0                 # draft tokens verified
+    accepted: int = 0                # of them, kept
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.trials
+
+
+class DraftPolicy:
+    def __init__(self, settings: SpecSettings):
+        self.settings = settings
+        self.cost = StepCost()
+        self._steps = 0
+
+    def choose(self, proposals: dict[int, list[int]], records: dict[int, DraftRecord], base_rows: int,
+               base_tokens: int) -> dict[int, list[int]]:
+        """The leading part of each job's proposal worth verifying in a step that already has
+        base_rows rows producing base_tokens tokens; proposals are keyed by job id."""
+        if not self.settings.adaptive or not proposals:
+            return proposals
+        self._steps += 1
+        a, b = self.cost.fit()
+        rows = [(records[j].rate ** (i + 1), j, i) for j, d in proposals.items() for i in range(len(d))]
+        rows.sort(key=lambda r: -r[0])
+        keep = dict.fromkeys(proposals, 0)
+        t, e = a + b * base_rows, float(base_tokens)
+        for n, (gain, j, i) in enumerate(rows):
+            explore = n == 0 and self._steps % EXPLORE_EVERY == 0
+            if keep[j] != i or not (explore or gain * t > MARGIN * b * e):
+                break
+            keep[j] += 1
+            t, e = t + b, e + gain
+        return {j: proposals[j][:n] for j, n in keep.items() if n}
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    @staticmethod
+    def record(rec: DraftRecord, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` tokens kept `accepted` (a run of successes, then at most
+        one failure: the geometric law's counts)."""
+        d = HISTORY_DECAY
+        rec.hits = d * rec.hits + accepted
+        rec.trials = d * rec.trials + accepted + (accepted < drafted)
+        rec.drafted += drafted
+        rec.accepted += accepted
+
+
+def max_draft(num_tokens: int, new_tokens: int, max_new_tokens: int, max_seq_len: int,
+              window: int, limit: int) -> int:
+    """Draft tokens a job may carry: they and the bonus token must fit in max_new_tokens and the
+    model, and with a recent-token window every row must lie in the last token's block (a row
+    in the next block would overwrite window slots the earlier rows still read)."""
+    k = min(limit, max_new_tokens - new_tokens - 1, max_seq_len - num_tokens - 1)
+    if window:
+        k = min(k, window - 1 - (num_tokens - 1) % window)
+    return max(0, k)

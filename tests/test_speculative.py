@@ -1,0 +1,250 @@
+"""Speculative decoding in the generator (issue 14), against non-speculative decoding as the reference.
+
+Drafts come from the n-gram drafter, or from an "oracle" put in its place that proposes the
+reference's own continuation with chosen tokens corrupted, so acceptance of 100%, 0% and every
+run length between is exercised on purpose (a tiny random model rarely repeats itself).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import pytest
+import torch
+
+from engine import DynamicJob, Model, SamplerSettings, Tokenizer
+from engine import generator as generator_module
+from engine import speculation
+from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
+
+
+class Oracle:
+    """Stands in for NgramDrafter: proposes reference[n: n + k] after n kept tokens, with the
+    tokens at the positions where wrong(position) is True replaced by another id."""
+    reference: dict[tuple[int, ...], list[int]] = {}
+    wrong: Callable[[int], bool] = staticmethod(lambda pos: False)
+    loose: set[tuple[int, ...]] = set()          # prompts whose jobs sample: nothing to check
+
+    def __init__(self, tokens: Sequence[int], max_ngram: int = 4, min_ngram: int = 1):
+        self.prompt = tuple(tokens)
+        self.kept: list[int] = []
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.kept.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        ref = self.reference[self.prompt]
+        n = len(self.kept)
+        if self.prompt not in self.loose:
+            assert self.kept == ref[:n], "the job kept a token the reference did not make"
+        return [(t + 1) % 50 + 3 if self.wrong(n + i) else t for i, t in enumerate(ref[n: n + k])]
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    monkeypatch.setattr(generator_module, "NgramDrafter", Oracle)
+    Oracle.reference, Oracle.wrong, Oracle.loose = {}, staticmethod(lambda pos: False), set()
+    return Oracle
+
+
+def _spec(model, **kwargs):
+    kwargs.setdefault("adaptive_draft", False)
+    return make_generator(model, max_tokens=8192, use_ngram_draft=True, **kwargs)
+
+
+def _assert_same(ref: dict, got: dict, logits: bool = False) -> None:
+    for key, r in ref.items():
+        assert got[key]["all_token_ids"] == r["all_token_ids"], key
+        assert got[key]["eos_reason"] == r["eos_reason"]
+        if logits:
+            assert torch.equal(got[key]["all_logits"], r["all_logits"]), key
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return Model.load(tiny_model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny32(tiny_kv32_dir):
+    return Model.load(tiny_kv32_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model_dir):
+    return Tokenizer.load(tiny_model_dir)
+
+
+PATTERNS = {"all right": lambda pos: False, "all wrong": lambda pos: True,
+            "every third wrong": lambda pos: pos % 3 == 2, "some wrong": lambda pos: pos in (1, 2, 9, 17)}
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mode", ["fp32", "q8"])
+def test_greedy_with_drafts_is_bitwise_plain_greedy(tiny, tiny32, oracle, pattern, mode):
+    """Tokens and the logits each was chosen from are bitwise those of plain decoding, however many
+    drafts are kept; in q8 the draft rows also stay inside the recent-token window's block."""
+    tiny = tiny if mode == "fp32" else tiny32
+    prompts = random_prompts(9, [5, 23, 40], tiny.config.vocab_size, seed=3)
+    ref = run_jobs(make_generator(tiny, max_tokens=8192, mode=mode), greedy_jobs(prompts, 30, return_logits=True))
+    oracle.reference = {tuple(p): ref[i]["all_token_ids"] for i, p in enumerate(prompts)}
+    oracle.wrong = staticmethod(PATTERNS[pattern])
+    gen = _spec(tiny, mode=mode, max_batch_size=4, max_chunk_size=37)   # prefill beside drafts; cut drafts
+    got = run_jobs(gen, greedy_jobs(prompts, 30, return_logits=True))
+    _assert_same(ref, got, logits=True)
+    stats = gen.stats()
+    assert stats["drafted_tokens"] > 0
+    if pattern == "all wrong":
+        assert stats["accepted_draft_tokens"] == 0
+    else:
+        assert stats["accepted_draft_tokens"] > 0
+    if pattern == "all right" and mode == "fp32":
+        assert stats["forward_passes"] < run_forwards(tiny, prompts, 30) / 2
+    assert sum(r["accepted_draft_tokens"] for r in got.values()) == stats["accepted_draft_tokens"]
+    assert sum(r["drafted_tokens"] for r in got.values()) == stats["drafted_tokens"]
+
+
+def run_forwards(model, prompts, n) -> int:
+    gen = make_generator(model, max_tokens=8192, max_batch_size=4, max_chunk_size=37)
+    run_jobs(gen, greedy_jobs(prompts, n))
+    return gen.stats()["forward_passes"]
+
+
+def test_ngram_drafting_on_repetitive_prompts_is_plain_greedy(tiny):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() * 6 for n in (2, 3, 5, 7)]
+    prompts += random_prompts(4, [12, 30], tiny.config.vocab_size, seed=4)
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 40))
+    for adaptive in (False, True):
+        gen = _spec(tiny, adaptive_draft=adaptive)
+        _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 40)))
+        assert gen.stats()["drafted_tokens"] > 0
+
+
+def test_max_new_tokens_is_never_passed_by_a_draft(tiny, oracle):
+    prompts = random_prompts(5, [9, 14], tiny.config.vocab_size, seed=8)
+    long = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 20))
+    oracle.reference = {tuple(p): long[i]["all_token_ids"] for i, p in enumerate(prompts)}   # runs past the limit
+    for n in (1, 2, 5, 6):
+        ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, n))
+        gen = _spec(tiny, num_draft_tokens=4)
+        got = run_jobs(gen, greedy_jobs(prompts, n))
+        _assert_same(ref, got)
+        assert all(r["new_tokens"] == n and r["eos_reason"] == "max_new_tokens" for r in got.values())
+        assert gen.stats()["drafted_tokens"] == (0 if n == 1 else gen.stats()["drafted_tokens"])
+
+
+@pytest.mark.parametrize("min_new", [0, 6])
+def test_stop_token_inside_a_draft_ends_the_job_there(tiny, oracle, min_new):
+    """The oracle's drafts run on past the stop token (they come from a run without it); the job
+    ends at the stop token as plain decoding does, and before min_new_tokens the token is banned on
+    every draft row, as on plain ones."""
+    prompts = random_prompts(6, [8, 19], tiny.config.vocab_size, seed=11)
+    free = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 24))
+    oracle.reference = {tuple(p): free[i]["all_token_ids"] for i, p in enumerate(prompts)}
+    stop = free[0]["all_token_ids"][3]                       # a token of job 0, fourth place
+
+    def jobs():
+        return [DynamicJob(p, max_new_tokens=24, min_new_tokens=min_new, stop_conditions=[stop], identifier=i)
+                for i, p in enumerate(prompts)]
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), jobs())
+    assert ref[0]["eos_reason"] == ("stop_token" if min_new == 0 else ref[0]["eos_reason"])
+    if min_new:
+        oracle.reference = {tuple(p): ref[i]["all_token_ids"] + free[i]["all_token_ids"][len(ref[i]["all_token_ids"]):]
+                            for i, p in enumerate(prompts)}
+    got = run_jobs(_spec(tiny, num_draft_tokens=5), jobs())
+    _assert_same(ref, got)
+
+
+def test_stop_string_across_a_draft_boundary(tiny, tiny_tok, oracle):
+    """A stop string made of tokens 4..6 of the reference, with drafts of 3 and 4 tokens (so it spans
+    rows of two verifications): the same completion, and no text streamed that the stop withdraws."""
+    prompts = random_prompts(4, [10, 17], tiny.config.vocab_size, seed=21)
+    free = run_jobs(make_generator(tiny, max_tokens=8192, tokenizer=tiny_tok), greedy_jobs(prompts, 20))
+    oracle.reference = {tuple(p): free[i]["all_token_ids"] for i, p in enumerate(prompts)}
+    stop = tiny_tok.decode(free[1]["all_token_ids"][4:7])
+    assert stop.strip()
+
+    def run(gen):
+        jobs = [DynamicJob(p, max_new_tokens=20, stop_conditions=[stop], identifier=i) for i, p in enumerate(prompts)]
+        streamed = {i: "" for i in range(len(prompts))}
+        gen.enqueue(jobs)
+        final = {}
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                streamed[r["identifier"]] += r["text"]
+                if r["eos"]:
+                    final[r["identifier"]] = r
+        return final, streamed
+    ref, ref_stream = run(make_generator(tiny, max_tokens=8192, tokenizer=tiny_tok))
+    assert ref[1]["eos_reason"] == "stop_string"
+    for k in (3, 4):
+        got, stream = run(_spec(tiny, tokenizer=tiny_tok, num_draft_tokens=k))
+        for i in ref:
+            assert got[i]["full_completion"] == ref[i]["full_completion"] == stream[i] == ref_stream[i]
+            assert got[i]["eos_reason"] == ref[i]["eos_reason"]
+            assert got[i]["new_tokens"] == ref[i]["new_tokens"]
+
+
+def test_rejected_tokens_never_reach_dedup_or_the_prompt_cache(tiny, oracle, monkeypatch):
+    """Jobs sharing a prefix (dedup), every draft rejected: no page ever counts a slot past the job's
+    kept tokens, and a second round of the same prompts, served from the prompt cache, and a third
+    whose prompts go on past the first outputs, match plain decoding."""
+    shared = random_prompts(1, [40], tiny.config.vocab_size, seed=30)[0]
+    prompts = [shared + tail for tail in random_prompts(6, [3, 9], tiny.config.vocab_size, seed=31)]
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 25))
+    oracle.reference = {tuple(p): ref[i]["all_token_ids"] for i, p in enumerate(prompts)}
+    oracle.wrong = staticmethod(lambda pos: pos % 2 == 0)
+    gen = _spec(tiny, num_draft_tokens=4)
+    real_computed = gen.scheduler.computed
+
+    def checked(chunk, num_kept=None):
+        real_computed(chunk, num_kept)
+        st, ps = chunk.job.state, gen.cache.page_size
+        for idx, pid in enumerate(st.page_table):
+            page = gen.cache.pool.pages[pid]
+            if page.ref_count == 1:                          # the job's own pages
+                assert page.num_valid <= max(0, st.num_computed_tokens - idx * ps)
+    monkeypatch.setattr(gen.scheduler, "computed", checked)
+    _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 25)))
+    assert gen.stats()["cached_tokens"] > 0                   # dedup of the shared prefix
+    second = run_jobs(gen, greedy_jobs(prompts, 25))
+    _assert_same(ref, second)
+    assert all(r["cached_tokens"] >= 32 for r in second.values())
+    longer = [p + ref[i]["all_token_ids"][:12] for i, p in enumerate(prompts)]
+    ref3 = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(longer, 10))
+    oracle.reference = {tuple(p): ref3[i]["all_token_ids"] for i, p in enumerate(longer)}
+    _assert_same(ref3, run_jobs(gen, greedy_jobs(longer, 10)))
+
+
+def test_sampled_and_greedy_jobs_share_a_verification_forward(tiny, oracle):
+    """A sampled job beside drafted greedy jobs: the greedy ones match plain decoding, and the sampled
+    one is reproducible from its seed."""
+    prompts = random_prompts(4, [11, 6], tiny.config.vocab_size, seed=40)
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 15))
+    oracle.reference = {tuple(p): ref[i]["all_token_ids"] for i, p in enumerate(prompts)}
+    sampled = random_prompts(1, [13], tiny.config.vocab_size, seed=41)[0]
+    oracle.reference[tuple(sampled)] = list(range(3, 40))
+    oracle.loose = {tuple(sampled)}
+    hot = SamplerSettings(temperature=1.0, top_k=20)
+
+    def jobs():
+        return greedy_jobs(prompts, 15) + [DynamicJob(sampled, 15, gen_settings=hot, seed=9, identifier="s")]
+    a, b = run_jobs(_spec(tiny), jobs()), run_jobs(_spec(tiny), jobs())
+    _assert_same(ref, {k: v for k, v in a.items() if k != "s"})
+    assert a["s"]["all_token_ids"] == b["s"]["all_token_ids"] and len(a["s"]["all_token_ids"]) == 15
+
+
+def test_step_cost_fit_recovers_a_line_and_policy_drops_costly_rows():
+    cost = speculation.StepCost()
+    for rows in (1, 5, 9, 3, 32, 40) * 3:
+        cost.observe(rows, 0.02 + 0.001 * rows)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    policy = speculation.DraftPolicy(speculation.SpecSettings(num_draft_tokens=4))
+    policy.cost = cost
+    good, bad = speculation.DraftRecord(hits=9, trials=10), speculation.DraftRecord(hits=1, trials=10)
+    chosen = policy.choose({1: [5, 6, 7, 8], 2: [5, 6, 7, 8]}, {1: good, 2: bad}, base_rows=2, base_tokens=2)
+    assert chosen == {1: [5, 6, 7, 8]}                       # 0.1 acceptance does not pay a row
+    rows = 400                                               # the row cost b E / t: 0.4 / 0.42 ~ 0.95
+    chosen = policy.choose({1: [5, 6, 7, 8]}, {1: good}, base_rows=rows, base_tokens=rows)
+    assert chosen == {}
