@@ -143,7 +143,8 @@ class DynamicGenerator:
             return {}
         prefill = sum(j.num_tokens - j.state.num_computed_tokens for j in sched.active) - len(jobs)
         rows = min(sched.max_chunk_size, len(jobs) + prefill)
-        return self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, rows, len(jobs))
+        remaining = None if sched.queue else {id(j): j.max_new_tokens - len(j.state.new_ids) for j in sched.active}
+        return self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, rows, len(jobs), remaining)
 
     def _sample(self, sampled: list[ScheduledChunk], logits: torch.Tensor) -> list[GeneratorResult]:
         jobs = [ch.job for ch in sampled]

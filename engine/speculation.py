@@ -17,18 +17,21 @@ probability p(d), else draw from p with d removed.
 Which drafts are worth verifying (`DraftPolicy`): one more row in the forward costs time b,
 and a step of T rows takes t(T) = a + b T (fitted online from the generator's own decode steps,
 `StepCost`). Row i of job j's draft adds the expected tokens alpha_j^i (alpha_j: the job's
-recent acceptance rate). Tokens per second rise with the row exactly when
+recent acceptance rate). While jobs wait for a slot (throughput is what counts), tokens per
+second rise with the row exactly when
 
     alpha_j^i * t(T) > b * E        (E: expected tokens of the step so far)
 
 so rows are taken in order of alpha_j^i while that holds: a job's draft length follows its
 acceptance, and a batch whose rows already keep the machine busy (b E large against t) drafts
-little or nothing. A margin above 1 keeps estimation error from making a step slower.
+little or nothing. With no job waiting, the run lasts as long as its longest jobs, so drafting
+pays only when all of those keep their drafts (`DraftPolicy._for_makespan`). A margin above 1
+keeps estimation error from making a step slower.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -142,24 +145,56 @@ class DraftPolicy:
         self._steps = 0
 
     def choose(self, proposals: dict[int, list[int]], records: dict[int, DraftRecord], base_rows: int,
-               base_tokens: int) -> dict[int, list[int]]:
+               base_tokens: int, remaining: Optional[dict[int, int]] = None) -> dict[int, list[int]]:
         """The leading part of each job's proposal worth verifying in a step that already has
-        base_rows rows producing base_tokens tokens; proposals are keyed by job id."""
+        base_rows rows producing base_tokens tokens; proposals and records are keyed by job id.
+        remaining: with no job waiting for a slot, each decoding job's tokens still allowed
+        (then only the last jobs to finish are worth speeding up: `_for_makespan`)."""
         if not self.settings.adaptive or not proposals:
             return proposals
         self._steps += 1
+        explore = self._steps % EXPLORE_EVERY == 0
         a, b = self.cost.fit()
+        t = a + b * base_rows
+        if remaining is not None:
+            return self._for_makespan(proposals, records, remaining, t, b, explore)
         rows = [(records[j].rate ** (i + 1), j, i) for j, d in proposals.items() for i in range(len(d))]
         rows.sort(key=lambda r: -r[0])
         keep = dict.fromkeys(proposals, 0)
-        t, e = a + b * base_rows, float(base_tokens)
+        e = float(base_tokens)
         for n, (gain, j, i) in enumerate(rows):
-            explore = n == 0 and self._steps % EXPLORE_EVERY == 0
-            if keep[j] != i or not (explore or gain * t > MARGIN * b * e):
+            if keep[j] != i:
+                continue
+            if not ((explore and n == 0) or gain * t > MARGIN * b * e):
                 break
             keep[j] += 1
             t, e = t + b, e + gain
         return {j: proposals[j][:n] for j, n in keep.items() if n}
+
+    @staticmethod
+    def _for_makespan(proposals: dict[int, list[int]], records: dict[int, DraftRecord], remaining: dict[int, int],
+                      t: float, b: float, explore: bool) -> dict[int, list[int]]:
+        """No queue: the run ends when its longest jobs do, so a step is saved only when every one
+        of them (those within num_draft_tokens of the most remaining tokens) keeps i more tokens,
+        with probability prod_j alpha_j^i; each of their draft rows that is not kept costs b.
+        Draft depth i for all of them while the saved step (~t) outweighs the wasted rows; other
+        jobs do not draft (their kept drafts would save no step, their rejected ones cost)."""
+        last = max(remaining.values())
+        slack = max(len(d) for d in proposals.values())
+        critical = [j for j, r in remaining.items() if r >= last - slack]
+        if any(j not in proposals for j in critical):
+            return {}
+        depth, all_keep = 0, 1.0
+        while depth < min(len(proposals[j]) for j in critical):
+            i = depth + 1
+            all_keep = 1.0
+            for j in critical:
+                all_keep *= records[j].rate ** i
+            waste = sum(1 - records[j].rate ** i for j in critical)
+            if not ((explore and i == 1) or all_keep * t > MARGIN * b * waste):
+                break
+            depth = i
+        return {j: proposals[j][:depth] for j in critical} if depth else {}
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.cost.observe(rows, seconds)

@@ -115,7 +115,7 @@ def test_ngram_drafting_on_repetitive_prompts_is_plain_greedy(tiny):
     prompts += random_prompts(4, [12, 30], tiny.config.vocab_size, seed=4)
     ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 40))
     for adaptive in (False, True):
-        gen = _spec(tiny, adaptive_draft=adaptive)
+        gen = _spec(tiny, adaptive_draft=adaptive, max_batch_size=2)     # a queue: throughput is what counts
         _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 40)))
         assert gen.stats()["drafted_tokens"] > 0
 
@@ -248,3 +248,73 @@ def test_step_cost_fit_recovers_a_line_and_policy_drops_costly_rows():
     rows = 400                                               # the row cost b E / t: 0.4 / 0.42 ~ 0.95
     chosen = policy.choose({1: [5, 6, 7, 8]}, {1: good}, base_rows=rows, base_tokens=rows)
     assert chosen == {}
+
+
+# --- sampling: the law of the output is that of plain sampling ---------------------------------
+def _sampled_outcomes(model, speculative: bool, n: int, seed0: int) -> list[tuple[int, ...]]:
+    prompt = [0, 1, 2, 3, 4, 2, 0, 3, 1, 4]      # every token seen: n-gram lookup always proposes
+    hot = SamplerSettings(temperature=1.5)
+    gen = make_generator(model, max_tokens=16 * (n + 8), page_size=16, use_ngram_draft=speculative,
+                         adaptive_draft=False, num_draft_tokens=3)
+    jobs = [DynamicJob(prompt, max_new_tokens=4, gen_settings=hot, seed=seed0 + i, identifier=i) for i in range(n)]
+    out = run_jobs(gen, jobs)
+    if speculative:
+        assert gen.stats()["drafted_tokens"] > n and gen.stats()["accepted_draft_tokens"] > n / 4
+    return [tuple(out[i]["all_token_ids"]) for i in range(n)]
+
+
+def _homogeneity_p(a: list, b: list) -> float:
+    """Chi-square test that two samples share one law (outcomes seen < 10 times pooled)."""
+    from collections import Counter
+    from scipy.stats import chi2_contingency
+    ca, cb = Counter(a), Counter(b)
+    keys = [k for k in ca.keys() | cb.keys() if ca[k] + cb[k] >= 10]
+    rest = [len(a) - sum(ca[k] for k in keys), len(b) - sum(cb[k] for k in keys)]
+    table = [[ca[k] for k in keys] + [rest[0]], [cb[k] for k in keys] + [rest[1]]]
+    if not rest[0] + rest[1]:
+        table = [row[:-1] for row in table]
+    return float(chi2_contingency(table)[1])
+
+
+@pytest.fixture(scope="module")
+def vocab5(tiny_model_factory):
+    return Model.load(tiny_model_factory("llama", vocab_size=5, seed=2), dtype="float32")
+
+
+def test_speculative_sampling_has_the_law_of_plain_sampling(vocab5, monkeypatch):
+    """Four tokens sampled 3,000 times with n-gram drafts (accepted by the point-mass rule) and
+    3,000 times plainly: a chi-square test does not tell them apart at alpha = 0.01; a rule that
+    accepts drafts too often (probability 2 p instead of p) is told apart."""
+    from engine import verify
+    n = 3000
+    plain = _sampled_outcomes(vocab5, False, n, seed0=0)
+    assert len(set(plain)) > 20                                    # a spread law, not one sequence
+    spec = _sampled_outcomes(vocab5, True, n, seed0=10_000)
+    assert _homogeneity_p(plain, spec) > 0.01
+    monkeypatch.setattr(verify, "accept_point_mass", lambda p, token, u: u < 2 * float(p[token]))
+    broken = _sampled_outcomes(vocab5, True, n, seed0=20_000)
+    assert _homogeneity_p(plain, broken) < 0.01
+    monkeypatch.undo()
+    monkeypatch.setattr(verify, "residual_point_mass", lambda p, token: p)   # a replacement may repeat the draft
+    broken = _sampled_outcomes(vocab5, True, n, seed0=20_000)
+    assert _homogeneity_p(plain, broken) < 0.01
+
+
+# --- SmolLM2: the real model ---------------------------------------------------------------------
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    """50 prompts: 20 HumanEval, 20 MMLU-style (tests/data/mmlu), 10 repetitive (benchmarks/spec_workloads.py)."""
+    from benchmarks.spec_workloads import workload_texts
+    texts = workload_texts("humaneval", 20) + workload_texts("mmlu", 20) + workload_texts("repetitive", 10)
+    return [tokenizer.encode(t) for t in texts]
+
+
+def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_dir):
+    """Issue 14's first acceptance item, n-gram drafting: 50 prompts, every proposal verified."""
+    model, tok = Model.load(smollm2_dir, dtype="float32"), Tokenizer.load(smollm2_dir)
+    prompts = smollm2_prompts(tok)
+    ref = run_jobs(make_generator(model, max_tokens=64 * 256, page_size=256), greedy_jobs(prompts, 32))
+    gen = make_generator(model, max_tokens=64 * 256, page_size=256, use_ngram_draft=True, adaptive_draft=False)
+    got = run_jobs(gen, greedy_jobs(prompts, 32))
+    _assert_same(ref, got)
+    stats = gen.stats()
+    assert stats["accepted_draft_tokens"] > 100 and stats["drafted_tokens"] > stats["accepted_draft_tokens"]
