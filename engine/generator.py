@@ -10,6 +10,7 @@ import torch
 from .batch import build_forward_batch
 from .cache import PagedCache
 from .draft import NgramDrafter
+from .draft_model import DraftModelRunner
 from .job import DynamicJob
 from .model import Model
 from .output import JobOutput
@@ -43,15 +44,40 @@ class DynamicGenerator:
                 f"the model's embedding only {model.config.vocab_size}"
             )
         self.spec = SpecSettings(num_draft_tokens, use_ngram_draft, max_ngram, min_ngram, adaptive_draft)
-        if draft_model is not None or draft_cache is not None:
-            raise ValueError("draft_model drafting is not available yet; use use_ngram_draft=True")
+        self.draft = self._draft_runner(model, cache, draft_model, draft_cache, max_chunk_size)
+        if self.draft is not None and use_ngram_draft:
+            raise ValueError("give either use_ngram_draft=True or a draft_model, not both")
         self.model = model
         self.cache = cache
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(cache.pool, max_batch_size, max_chunk_size, cache.window, cache.window_slots)
-        self.policy = DraftPolicy(self.spec) if use_ngram_draft else None
+        self.policy = None
+        if use_ngram_draft or self.draft is not None:
+            scale = None if self.draft is None else _weights(draft_model) / _weights(model)
+            self.policy = DraftPolicy(self.spec, draft_scale=scale)
+        self._draft_probs: dict[int, list] = {}
         self.outputs: dict[int, JobOutput] = {}
         self.counters = dict.fromkeys(_COUNTERS, 0)
+
+    @staticmethod
+    def _draft_runner(model: Model, cache: PagedCache, draft_model: Optional[Model],
+                      draft_cache: Optional[PagedCache], max_chunk_size: int) -> Optional[DraftModelRunner]:
+        if draft_model is None:
+            if draft_cache is not None:
+                raise ValueError("draft_cache was given without a draft_model")
+            return None
+        if not isinstance(draft_model, Model):
+            raise TypeError(f"draft_model must be an engine Model, got {type(draft_model).__name__}")
+        if draft_model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from "
+                             f"the model's ({model.config.vocab_size}): a draft must share the tokenizer")
+        if draft_cache is None:
+            draft_cache = PagedCache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size,
+                                     mode=cache.format)
+        if len(draft_cache.layers) != draft_model.config.num_layers:
+            raise ValueError(f"draft_cache has {len(draft_cache.layers)} layers, the draft model "
+                             f"{draft_model.config.num_layers}: make it with PagedCache(draft_model, ...)")
+        return DraftModelRunner(draft_model, draft_cache, max_chunk_size)
 
     # --- queue ---------------------------------------------------------------
     def enqueue(self, job: DynamicJob | Sequence[DynamicJob]) -> None:
@@ -131,26 +157,33 @@ class DynamicGenerator:
         """Draft tokens of the decoding jobs that are worth verifying this step (by job id)."""
         sched, spec = self.scheduler, self.spec
         jobs = [j for j in sched.decoding() if sched.ready(j)]
-        proposals = {}
-        for job in jobs:
-            st = job.state
-            k = max_draft(job.num_tokens, len(st.new_ids), job.max_new_tokens, self.model.max_seq_len,
-                          self.cache.window, spec.num_draft_tokens)
-            draft = st.drafter.propose(k) if k and st.drafter is not None else []
-            if draft:
-                proposals[id(job)] = draft
+        limits = {id(j): max_draft(j.num_tokens, len(j.state.new_ids), j.max_new_tokens, self.model.max_seq_len,
+                                   self.cache.window, spec.num_draft_tokens) for j in jobs}
+        if self.draft is None:
+            proposals = {id(j): d for j in jobs if limits[id(j)] and (d := j.state.drafter.propose(limits[id(j)]))}
+        else:
+            proposals = {id(j): [0] * limits[id(j)] for j in jobs if limits[id(j)]}   # lengths only, yet
         if not proposals:
             return {}
         prefill = sum(j.num_tokens - j.state.num_computed_tokens for j in sched.active) - len(jobs)
         rows = min(sched.max_chunk_size, len(jobs) + prefill)
         remaining = None if sched.queue else {id(j): j.max_new_tokens - len(j.state.new_ids) for j in sched.active}
-        return self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, rows, len(jobs), remaining)
+        draft_cost = None if self.draft is None else self.draft.cost
+        chosen = self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, rows, len(jobs), remaining,
+                                    draft_cost)
+        if self.draft is None or not chosen:
+            return chosen
+        made = self.draft.propose([(j, len(chosen[id(j)])) for j in jobs if id(j) in chosen])
+        self._draft_probs = {k: p.probs for k, p in made.items()}
+        return {k: p.tokens for k, p in made.items()}
 
     def _sample(self, sampled: list[ScheduledChunk], logits: torch.Tensor) -> list[GeneratorResult]:
         jobs = [ch.job for ch in sampled]
         logits_cpu = logits.cpu() if any(job.return_logits for job in jobs) else None   # as computed
         logits = mark_nonfinite([ch.job for ch in sampled for _ in range(1 + len(ch.draft))], logits)
-        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits)
+        probs = [self._draft_probs.get(id(ch.job)) if ch.draft else None for ch in sampled]
+        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits, probs)
+        self._draft_probs = {}
         results, row = [], 0
         for ch, kept in zip(sampled, chosen):
             job = ch.job
@@ -170,15 +203,20 @@ class DynamicGenerator:
                 job.state.drafter.extend(added)
             if result["eos"]:
                 self.scheduler.finish(job)
+                if self.draft is not None:
+                    self.draft.free(job)
                 del self.outputs[id(job)]
             results.append(result)
         return results
 
     def stats(self) -> GeneratorStats:
         pool = self.cache.pool
+        draft = self.draft
         return GeneratorStats(**self.counters, pages_total=pool.num_pages,
                               pages_in_use=pool.num_in_use, pages_cached=len(pool.cached),
-                              pages_evicted=pool.num_evicted)
+                              pages_evicted=pool.num_evicted,
+                              draft_forward_passes=0 if draft is None else draft.forward_passes,
+                              draft_cached_tokens=0 if draft is None else draft.cached_tokens)
 
     def defragment(self) -> None:
         """Pack cached pages to the lowest page ids; runs automatically when idle."""
@@ -225,3 +263,11 @@ def _per_prompt(settings: Any, n: int) -> list[Optional[SamplerSettings]]:
     if len(settings) != n:
         raise ValueError(f"gen_settings has {len(settings)} entries for {n} prompts")
     return settings
+
+
+def _weights(model: Model) -> int:
+    """Parameters a forward streams (the layers and the LM head): the draft's cost scale."""
+    c = model.config
+    layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size \
+        + 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * layer + c.vocab_size * c.hidden_size

@@ -40,7 +40,8 @@ PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0    # acceptance starts at 1/2 and follows th
 HISTORY_DECAY = 0.8       # weight of a job's older verifications against its latest one
 COST_DECAY = 0.97         # weight of older step timings in the cost fit
 MARGIN = 1.15             # a row must pay back this many times its estimated cost
-EXPLORE_EVERY = 8         # every n-th decode step verifies the best draft row regardless, to time it
+EXPLORE_EVERY = 8         # while jobs wait, every n-th step verifies the best draft row regardless (so
+EXPLORE_MIN_GAIN = 0.3    # the cost fit sees steps of several sizes), if its acceptance is at least this
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,10 @@ class StepCost:
 
     def __init__(self) -> None:
         self._w = self._t = self._y = self._tt = self._ty = 0.0
+        self.num_observed = 0
 
     def observe(self, rows: int, seconds: float) -> None:
+        self.num_observed += 1
         d = COST_DECAY
         self._w, self._t, self._y = d * self._w + 1, d * self._t + rows, d * self._y + seconds
         self._tt, self._ty = d * self._tt + rows * rows, d * self._ty + rows * seconds
@@ -139,59 +142,77 @@ class DraftRecord:
 
 
 class DraftPolicy:
-    def __init__(self, settings: SpecSettings):
+    def __init__(self, settings: SpecSettings, draft_scale: Optional[float] = None):
+        """draft_scale: a draft model's weights over the target's (its forwards' cost before they
+        are timed); None for n-gram drafting, which costs no forward."""
         self.settings = settings
         self.cost = StepCost()
+        self.draft_scale = draft_scale
         self._steps = 0
 
     def choose(self, proposals: dict[int, list[int]], records: dict[int, DraftRecord], base_rows: int,
-               base_tokens: int, remaining: Optional[dict[int, int]] = None) -> dict[int, list[int]]:
+               base_tokens: int, remaining: Optional[dict[int, int]] = None,
+               draft_cost: Optional[StepCost] = None) -> dict[int, list[int]]:
         """The leading part of each job's proposal worth verifying in a step that already has
         base_rows rows producing base_tokens tokens; proposals and records are keyed by job id.
         remaining: with no job waiting for a slot, each decoding job's tokens still allowed
-        (then only the last jobs to finish are worth speeding up: `_for_makespan`)."""
+        (then only the last jobs to finish are worth speeding up: `_for_makespan`).
+        draft_cost: the draft model's forwards (a_d + b_d rows each; one more per draft depth)."""
         if not self.settings.adaptive or not proposals:
             return proposals
         self._steps += 1
         explore = self._steps % EXPLORE_EVERY == 0
         a, b = self.cost.fit()
+        a_d, b_d = self._draft_fit(draft_cost, a, b)
         t = a + b * base_rows
         if remaining is not None:
-            return self._for_makespan(proposals, records, remaining, t, b, explore)
+            return self._for_makespan(proposals, records, remaining, t, (b, a_d, b_d))
         rows = [(records[j].rate ** (i + 1), j, i) for j, d in proposals.items() for i in range(len(d))]
         rows.sort(key=lambda r: -r[0])
         keep = dict.fromkeys(proposals, 0)
-        e = float(base_tokens)
+        e, depth = float(base_tokens), 0
         for n, (gain, j, i) in enumerate(rows):
             if keep[j] != i:
                 continue
-            if not ((explore and n == 0) or gain * t > MARGIN * b * e):
+            cost = b + b_d + (a_d if i + 1 > depth else 0.0)
+            if not ((explore and n == 0 and gain >= EXPLORE_MIN_GAIN) or gain * t > MARGIN * cost * e):
                 break
             keep[j] += 1
-            t, e = t + b, e + gain
+            depth = max(depth, i + 1)
+            t, e = t + cost, e + gain
         return {j: proposals[j][:n] for j, n in keep.items() if n}
+
+    def _draft_fit(self, draft_cost: Optional[StepCost], a: float, b: float) -> tuple[float, float]:
+        """(a_d, b_d): the draft forward's fit once timed, before that the target's scaled."""
+        if self.draft_scale is None:
+            return 0.0, 0.0
+        if draft_cost is None or draft_cost.num_observed == 0:
+            return a * self.draft_scale, b * self.draft_scale
+        return draft_cost.fit()
 
     @staticmethod
     def _for_makespan(proposals: dict[int, list[int]], records: dict[int, DraftRecord], remaining: dict[int, int],
-                      t: float, b: float, explore: bool) -> dict[int, list[int]]:
+                      t: float, costs: tuple[float, float, float]) -> dict[int, list[int]]:
         """No queue: the run ends when its longest jobs do, so a step is saved only when every one
         of them (those within num_draft_tokens of the most remaining tokens) keeps i more tokens,
-        with probability prod_j alpha_j^i; each of their draft rows that is not kept costs b.
-        Draft depth i for all of them while the saved step (~t) outweighs the wasted rows; other
-        jobs do not draft (their kept drafts would save no step, their rejected ones cost)."""
+        with probability prod_j alpha_j^i; each of their draft rows that is not kept costs b, and
+        a draft model's forward a_d + b_d per row. Draft depth i for all of them while the saved
+        step (~t) outweighs that; other jobs do not draft (their kept drafts would save no step,
+        their rejected ones cost)."""
+        b, a_d, b_d = costs
         last = max(remaining.values())
         slack = max(len(d) for d in proposals.values())
         critical = [j for j, r in remaining.items() if r >= last - slack]
         if any(j not in proposals for j in critical):
             return {}
-        depth, all_keep = 0, 1.0
+        depth = 0
         while depth < min(len(proposals[j]) for j in critical):
             i = depth + 1
             all_keep = 1.0
             for j in critical:
                 all_keep *= records[j].rate ** i
-            waste = sum(1 - records[j].rate ** i for j in critical)
-            if not ((explore and i == 1) or all_keep * t > MARGIN * b * waste):
+            waste = b * sum(1 - records[j].rate ** i for j in critical) + a_d + b_d * len(critical)
+            if not all_keep * t > MARGIN * waste:
                 break
             depth = i
         return {j: proposals[j][:depth] for j in critical} if depth else {}

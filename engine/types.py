@@ -48,3 +48,5 @@ class GeneratorStats(TypedDict):
     forward_passes: int
     drafted_tokens: int           # speculative draft tokens verified (0 without drafting)
     accepted_draft_tokens: int    # of them, kept: generated_tokens / forward_passes rises with these
+    draft_forward_passes: int     # forwards of the draft model (0 without one)
+    draft_cached_tokens: int      # prompt tokens the draft model reused from its own cache

@@ -17,7 +17,7 @@ import torch
 
 from .job import DynamicJob
 from .sampler import SampleResult, draw, greedy_tokens, inverse_cdf, sample, target_distribution
-from .speculation import accept_greedy, accept_point_mass, residual_point_mass
+from .speculation import accept_greedy, accept_point_mass, accept_ratio, residual, residual_point_mass
 
 
 def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor:
@@ -42,9 +42,12 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor
     return logits
 
 
-def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]],
-                  logits: torch.Tensor) -> list[list[SampleResult]]:
+def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
+                  draft_probs: Optional[Sequence[Optional[Sequence[Optional[torch.Tensor]]]]] = None
+                  ) -> list[list[SampleResult]]:
     """Per job, the tokens it keeps; logits [sum(1 + len(d)), V], each job's rows in order.
+    draft_probs: per job, the proposer's distribution q of each draft token (a draft model's), or
+    None where the draft is a point mass (n-gram lookup, or a greedy draft).
     Plain greedy jobs (no penalties or extras) share one argmax over all their rows (stop tokens
     banned before min_new_tokens at -inf for it, as `sample` bans them); the rest go row by row."""
     starts = [0]
@@ -65,7 +68,8 @@ def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]],
             out[i] = [SampleResult(token=t, prob=float("nan"), probs=None) for t in kept]
     for i, job in enumerate(jobs):
         if out[i] is None:
-            out[i] = _verify_rows(job, list(drafts[i]), logits[starts[i]: starts[i + 1]])
+            qs = None if draft_probs is None else draft_probs[i]
+            out[i] = _verify_rows(job, list(drafts[i]), logits[starts[i]: starts[i + 1]], qs)
     return out
 
 
@@ -88,7 +92,8 @@ def _argmax_with_bans(rows: torch.Tensor, bans: list[tuple[int, int]]) -> list[i
             rows[where] = saved
 
 
-def _verify_rows(job: DynamicJob, draft: list[int], rows: torch.Tensor) -> list[SampleResult]:
+def _verify_rows(job: DynamicJob, draft: list[int], rows: torch.Tensor,
+                 draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[SampleResult]:
     """Row by row: each row gives the target's law for the next token, under the job's settings
     with the history so far (accepted drafts included). A draft token is kept if the rule accepts
     it; the first token not a kept draft ends the step."""
@@ -102,9 +107,12 @@ def _verify_rows(job: DynamicJob, draft: list[int], rows: torch.Tensor) -> list[
             smp = sample(row, s, hist, rng, banned(job, i))
         else:
             _, probs = target_distribution(row, s, hist, banned(job, i))
+            q = None if draft_probs is None else draft_probs[i]
             token = proposal
-            if not accept_point_mass(probs, proposal, draw(rng)):
+            if q is None and not accept_point_mass(probs, proposal, draw(rng)):
                 token = inverse_cdf(residual_point_mass(probs, proposal), draw(rng))
+            elif q is not None and not accept_ratio(probs, q, proposal, draw(rng)):
+                token = inverse_cdf(residual(probs, q), draw(rng))
             smp = SampleResult(token=token, prob=float(probs[token]), probs=probs)
         kept.append(smp)
         if smp.token != proposal:

@@ -308,13 +308,125 @@ def smollm2_prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_dir):
-    """Issue 14's first acceptance item, n-gram drafting: 50 prompts, every proposal verified."""
+@pytest.fixture(scope="module")
+def smollm2_plain(smollm2_dir):
+    """SmolLM2, its 50 prompts and plain greedy's 24 tokens for each (the reference of the tests below)."""
     model, tok = Model.load(smollm2_dir, dtype="float32"), Tokenizer.load(smollm2_dir)
     prompts = smollm2_prompts(tok)
-    ref = run_jobs(make_generator(model, max_tokens=64 * 256, page_size=256), greedy_jobs(prompts, 32))
+    return model, prompts, run_jobs(make_generator(model, max_tokens=64 * 256, page_size=256), greedy_jobs(prompts, 24))
+
+
+def test_smollm2_greedy_with_ngram_drafts_is_plain_greedy(smollm2_plain):
+    """Issue 14's first acceptance item, n-gram drafting: 50 prompts, every proposal verified."""
+    model, prompts, ref = smollm2_plain
     gen = make_generator(model, max_tokens=64 * 256, page_size=256, use_ngram_draft=True, adaptive_draft=False)
-    got = run_jobs(gen, greedy_jobs(prompts, 32))
-    _assert_same(ref, got)
+    _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 24)))
     stats = gen.stats()
     assert stats["accepted_draft_tokens"] > 100 and stats["drafted_tokens"] > stats["accepted_draft_tokens"]
+
+
+# --- draft models ----------------------------------------------------------------------------------
+def _with_draft(model, draft, **kwargs):
+    kwargs.setdefault("adaptive_draft", False)
+    gen = make_generator(model, max_tokens=8192, draft_model=draft, **kwargs)
+    return gen
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tiny_model_factory, tiny_model_dir):
+    """A second random model with the tiny model's vocabulary: its drafts are almost never kept."""
+    return Model.load(tiny_model_factory("llama", seed=7, num_layers=1), dtype="float32")
+
+
+@pytest.mark.parametrize("which", ["itself", "truncated", "other"])
+def test_draft_model_greedy_is_bitwise_plain_greedy(tiny, other_tiny, which):
+    from engine.draft_model import truncated_model
+    draft = {"itself": tiny, "truncated": truncated_model(tiny, 1), "other": other_tiny}[which]
+    prompts = random_prompts(8, [6, 21, 40], tiny.config.vocab_size, seed=50)
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 24, return_logits=True))
+    gen = _with_draft(tiny, draft, max_batch_size=3, max_chunk_size=29)
+    got = run_jobs(gen, greedy_jobs(prompts, 24, return_logits=True))
+    _assert_same(ref, got, logits=True)
+    st = gen.stats()
+    assert st["drafted_tokens"] > 0 and st["draft_forward_passes"] > 0
+    if which == "itself":
+        assert st["accepted_draft_tokens"] == st["drafted_tokens"]       # the same model: every draft kept
+        assert st["forward_passes"] < run_forwards(tiny, prompts, 24) / 2
+    assert gen.draft.cache.pool.num_in_use == 0 and not gen.draft.mirrors   # freed with the jobs
+
+
+def test_draft_cache_dedups_and_caches_prompts(tiny):
+    """The draft model's own cache shares a common prefix among jobs and keeps prompts for the next
+    round; outputs stay plain greedy's."""
+    shared = random_prompts(1, [48], tiny.config.vocab_size, seed=60)[0]
+    prompts = [shared + t for t in random_prompts(5, [4, 7], tiny.config.vocab_size, seed=61)]
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 12))
+    gen = _with_draft(tiny, tiny)
+    _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 12)))
+    first = gen.stats()["draft_cached_tokens"]
+    assert first >= 4 * 32                          # four jobs reuse the first's 3 full pages of 16 (or more)
+    _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 12)))
+    assert gen.stats()["draft_cached_tokens"] - first >= 5 * 48
+
+
+def test_draft_model_stops_exactly(tiny, tiny_tok):
+    prompts = random_prompts(4, [10, 17], tiny.config.vocab_size, seed=70)
+    free = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 20))
+    stop = free[2]["all_token_ids"][5]
+
+    def jobs():
+        return [DynamicJob(p, max_new_tokens=n, stop_conditions=[stop], identifier=i)
+                for i, (p, n) in enumerate(zip(prompts, (20, 3, 20, 7)))]
+    ref = run_jobs(make_generator(tiny, max_tokens=8192, tokenizer=tiny_tok), jobs())
+    got = run_jobs(_with_draft(tiny, tiny, tokenizer=tiny_tok, num_draft_tokens=4), jobs())
+    _assert_same(ref, got)
+
+
+def test_draft_model_options_are_checked(tiny, vocab5):
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_generator(tiny, draft_model=vocab5)
+    with pytest.raises(ValueError, match="not both"):
+        make_generator(tiny, draft_model=tiny, use_ngram_draft=True)
+    with pytest.raises(ValueError, match="without a draft_model"):
+        make_generator(tiny, draft_cache=make_generator(tiny).cache)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        make_generator(tiny, use_ngram_draft=True, num_draft_tokens=0)
+
+
+def _draft_sampled(model, draft, n: int, seed0: int) -> list[tuple[int, ...]]:
+    prompt = [0, 1, 2, 3, 4, 2, 0, 3, 1, 4]
+    hot = SamplerSettings(temperature=1.5)
+    gen = make_generator(model, max_tokens=16 * (n + 8), draft_model=draft, adaptive_draft=False, num_draft_tokens=3)
+    out = run_jobs(gen, [DynamicJob(prompt, max_new_tokens=4, gen_settings=hot, seed=seed0 + i, identifier=i)
+                         for i in range(n)])
+    assert gen.stats()["drafted_tokens"] > n
+    return [tuple(out[i]["all_token_ids"]) for i in range(n)]
+
+
+def test_draft_model_sampling_has_the_law_of_plain_sampling(vocab5, tiny_model_factory, monkeypatch):
+    """A draft model whose law q differs from the target's p (another random model): the ratio rule
+    with the residual max(0, p - q) gives plain sampling's law; drawing the replacement from p
+    instead is told apart."""
+    from engine import verify
+    draft = Model.load(tiny_model_factory("llama", vocab_size=5, seed=9), dtype="float32")
+    n = 3000
+    plain = _sampled_outcomes(vocab5, False, n, seed0=0)
+    assert _homogeneity_p(plain, _draft_sampled(vocab5, draft, n, seed0=40_000)) > 0.01
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)
+    assert _homogeneity_p(plain, _draft_sampled(vocab5, draft, n, seed0=50_000)) < 0.01
+
+
+@pytest.mark.parametrize("which", ["itself", "first 4 layers", "tiny random"])
+def test_smollm2_greedy_with_a_draft_model_is_plain_greedy(smollm2_plain, tiny_model_dir, which):
+    """Issue 14's first acceptance item, draft models: SmolLM2 as the target, 50 prompts; as drafts
+    SmolLM2 itself (every draft kept), its first 4 layers with its own head, a tiny random model."""
+    from engine.draft_model import truncated_model
+    model, prompts, ref = smollm2_plain
+    draft = {"itself": lambda: model, "first 4 layers": lambda: truncated_model(model, 4),
+             "tiny random": lambda: Model.load(tiny_model_dir, dtype="float32")}[which]()
+    gen = make_generator(model, max_tokens=64 * 256, page_size=256, draft_model=draft, adaptive_draft=False)
+    _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, 24)))
+    st = gen.stats()
+    assert st["drafted_tokens"] > 500
+    if which == "itself":
+        assert st["accepted_draft_tokens"] == st["drafted_tokens"]
