@@ -126,6 +126,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "(default: auto, as many as the cache holds; with a q8/q6/q4 window at most the window "
                         "store's jobs: 64, or fewer when --cache-memory is small)")
     p.add_argument("--max-chunk-size", type=int, default=2048, help="tokens per forward pass (default: 2048)")
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument("--draft-model", metavar="DIR",
+                      help="speculative decoding with this draft model (a Hugging Face directory sharing the "
+                           "model's tokenizer): its guesses are verified in the batch, so greedy output is "
+                           "unchanged and sampled output keeps its law (default: no drafting)")
+    spec.add_argument("--ngram-draft", action="store_true",
+                      help="speculative decoding with n-gram lookup: guess each job's next tokens from what "
+                           "followed its current suffix earlier in its prompt and output, no draft model (default: off)")
+    p.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="most draft tokens per job and step; fewer are verified where they do not pay (default: 4)")
 
 
 CACHE_MODE_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q6", "q4")    # engine.cache.CACHE_MODES + auto

@@ -54,12 +54,18 @@ def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
 
 
 def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
-    from engine import DynamicGenerator, PagedCache
+    from engine import DynamicGenerator, Model, PagedCache
     try:
         cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode,
                            max_memory=cfg.cache_memory, max_jobs=cfg.max_batch_size, window=cfg.cache_window)
+        draft = draft_cache = None
+        if cfg.draft_model is not None:
+            draft = Model.load(resolve_model_dir(cfg.draft_model), dtype=cfg.dtype, device=cfg.device)
+            draft_cache = PagedCache(draft, max_tokens=cache.max_tokens, page_size=cfg.page_size, mode=cache.format,
+                                     max_jobs=cache.window_slots or None)
         return DynamicGenerator(model, cache, tokenizer, max_batch_size=cfg.max_batch_size,
-                                max_chunk_size=cfg.max_chunk_size)
+                                max_chunk_size=cfg.max_chunk_size, draft_model=draft, draft_cache=draft_cache,
+                                num_draft_tokens=cfg.num_draft_tokens, use_ngram_draft=cfg.ngram_draft)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
 
@@ -123,6 +129,7 @@ def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, An
     return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
             "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
             "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, model_dir),
+            "speculative": cfg.speculative_record(),
             "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode)}
 
 

@@ -24,6 +24,9 @@ class EngineConfig:
     max_chunk_size: int = 2048
     cache_window: Optional[int] = None           # q8/q6/q4 recent-token window (None: the mode's)
     choices: dict[str, Choice] = field(default_factory=dict)    # how device/dtype/cache_mode were picked
+    draft_model: Optional[str] = None            # speculative decoding: a draft model directory ...
+    ngram_draft: bool = False                    # ... or n-gram lookup in each job's own tokens
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("cache_tokens", "cache_memory", "page_size", "max_chunk_size", "max_batch_size"):
@@ -34,8 +37,22 @@ class EngineConfig:
             raise BadInput("give the KV cache size as --cache-tokens or as --cache-memory, not both")
         if self.cache_window is not None and self.cache_window < 0:
             raise BadInput(f"--cache-window must be >= 0, got {self.cache_window}")
+        if self.num_draft_tokens < 1:
+            raise BadInput(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.draft_model is not None and self.ngram_draft:
+            raise BadInput("give either --draft-model or --ngram-draft, not both")
         if self.cache_tokens is not None and self.cache_tokens < self.page_size:
             raise BadInput(f"--cache-tokens ({self.cache_tokens}) must be at least --page-size ({self.page_size})")
+
+    def speculative_record(self) -> dict[str, Any]:
+        """manifest["speculative"]: how (and whether) generation drafted tokens."""
+        drafts = "model" if self.draft_model else "ngram" if self.ngram_draft else None
+        out: dict[str, Any] = {"drafts": drafts}
+        if drafts:
+            out["num_draft_tokens"] = self.num_draft_tokens
+        if self.draft_model:
+            out["draft_model"] = str(Path(self.draft_model).resolve())
+        return out
 
     def choices_record(self) -> dict[str, dict[str, str]]:
         """manifest["engine_choices"]: {"dtype": {"requested": "auto", "value": "float32", "reason": ...}}."""
@@ -71,7 +88,9 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
         window = kept.get("cache_window", 0)       # resume as stored (a run from before windows: 0)
     return EngineConfig(device.value, dtype.value, cache.value, tokens, memory, args.page_size,
                         args.max_batch_size, args.max_chunk_size, window,
-                        {"device": device, "dtype": dtype, "cache_mode": cache})
+                        {"device": device, "dtype": dtype, "cache_mode": cache},
+                        getattr(args, "draft_model", None), getattr(args, "ngram_draft", False),
+                        getattr(args, "num_draft_tokens", 4))
 
 
 def _choose(name: str, requested: str, kept: dict[str, Any], run_dir: Path,
