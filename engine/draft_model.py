@@ -18,6 +18,7 @@ q is kept for the target's acceptance rule (engine/speculation.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -34,7 +35,6 @@ from .scheduler import ScheduledChunk
 from .speculation import StepCost
 from .verify import banned, plain_greedy
 
-MIRROR_SEED_SALT = 0x5DEECE66D        # a mirror's generator: the job's seed mixed with this
 
 
 def truncated_model(model: Model, num_layers: int) -> Model:
@@ -54,8 +54,11 @@ class Proposal:
 
 
 class DraftModelRunner:
-    def __init__(self, model: Model, cache: PagedCache, max_chunk_size: int):
+    def __init__(self, model: Model, cache: PagedCache, max_chunk_size: int, coupled: bool = True):
+        """coupled: each mirror draws with a copy of its job's generator (the "coupled" rule of
+        engine/speculation.py); else with a generator of its own."""
         self.model, self.cache = model, cache
+        self.coupled = coupled
         self.kv = KVManager(cache.pool, cache.window, cache.window_slots)
         self.max_chunk_size = max_chunk_size
         self.mirrors: dict[int, DynamicJob] = {}          # id(target job) -> its mirror
@@ -91,8 +94,7 @@ class DraftModelRunner:
         if m is None:
             if job.max_total_tokens > self.model.max_seq_len:
                 return None
-            seed = None if job.seed is None else job.seed ^ MIRROR_SEED_SALT
-            m = DynamicJob(job.prompt_ids, job.max_new_tokens, gen_settings=job.gen_settings, seed=seed)
+            m = DynamicJob(job.prompt_ids, job.max_new_tokens, gen_settings=job.gen_settings, seed=_mirror_seed(job.seed))
             if self.kv.pages_needed(m) > self.cache.num_pages or not self.kv.admit(m):
                 return None
             self.mirrors[id(job)] = m
@@ -102,6 +104,8 @@ class DraftModelRunner:
             self.cache.copy_prefix(c.src_page, c.dst_page, c.num_tokens)
             self.kv.copy_done(m)
         self._sync(m, job)
+        if self.coupled:
+            m.state.rng.set_state(job.state.rng.get_state())     # the uniforms the job will draw next
         return m if m.state.copy is None and self.kv.ready(m) else None
 
     def _sync(self, m: DynamicJob, job: DynamicJob) -> None:
@@ -111,7 +115,7 @@ class DraftModelRunner:
         while agree < min(len(kept), len(mine)) and kept[agree] == mine[agree]:
             agree += 1
         m.state.new_ids = list(kept)
-        valid = m.prompt_len + agree
+        valid = min(m.prompt_len + agree, m.num_tokens - 1)   # the last kept token is fed again: its logits draft
         if m.state.num_computed_tokens > valid:
             self.kv.rollback(m, valid)
 
@@ -140,3 +144,10 @@ class DraftModelRunner:
             prop.probs.append(q)
             m.state.new_ids.append(token)
         self.cost.observe(sum(ch.num_tokens for ch in chunks), time.perf_counter() - t0)
+
+
+def _mirror_seed(seed: Optional[int]) -> Optional[int]:
+    """The seed of a mirror's own generator (the rejection rule), apart from every job's seed."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.sha256(f"evalrun draft mirror {seed}".encode()).digest()[:8], "little") >> 1

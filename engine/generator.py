@@ -30,10 +30,12 @@ class DynamicGenerator:
                  max_batch_size: Optional[int] = None, max_chunk_size: int = 2048,
                  draft_model: Optional[Model] = None, draft_cache: Optional[PagedCache] = None,
                  num_draft_tokens: int = 4, use_ngram_draft: bool = False, max_ngram: int = 4,
-                 min_ngram: int = 1, adaptive_draft: bool = True):
+                 min_ngram: int = 1, adaptive_draft: bool = True, sampling_rule: str = "coupled"):
         """Speculative decoding (engine/speculation.py) with use_ngram_draft (drafts looked up in
         each job's own tokens) or a draft_model with its draft_cache: up to num_draft_tokens per
-        job and step, as many as pay for themselves (adaptive_draft=False: every proposal)."""
+        job and step, as many as pay for themselves (adaptive_draft=False: every proposal).
+        sampling_rule: how sampled jobs verify drafts; "coupled" keeps a seeded job's tokens those
+        of plain sampling, "rejection" is the standard rule (engine/speculation.py)."""
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}")
         if not isinstance(max_chunk_size, int) or max_chunk_size < 1:
@@ -43,8 +45,9 @@ class DynamicGenerator:
                 f"tokenizer/model vocab mismatch: the tokenizer has {tokenizer.vocab_size} tokens, "
                 f"the model's embedding only {model.config.vocab_size}"
             )
-        self.spec = SpecSettings(num_draft_tokens, use_ngram_draft, max_ngram, min_ngram, adaptive_draft)
-        self.draft = self._draft_runner(model, cache, draft_model, draft_cache, max_chunk_size)
+        self.spec = SpecSettings(num_draft_tokens, use_ngram_draft, max_ngram, min_ngram, adaptive_draft, sampling_rule)
+        self.draft = self._draft_runner(model, cache, draft_model, draft_cache, max_chunk_size,
+                                        sampling_rule == "coupled")
         if self.draft is not None and use_ngram_draft:
             raise ValueError("give either use_ngram_draft=True or a draft_model, not both")
         self.model = model
@@ -61,7 +64,7 @@ class DynamicGenerator:
 
     @staticmethod
     def _draft_runner(model: Model, cache: PagedCache, draft_model: Optional[Model],
-                      draft_cache: Optional[PagedCache], max_chunk_size: int) -> Optional[DraftModelRunner]:
+                      draft_cache: Optional[PagedCache], max_chunk_size: int, coupled: bool) -> Optional[DraftModelRunner]:
         if draft_model is None:
             if draft_cache is not None:
                 raise ValueError("draft_cache was given without a draft_model")
@@ -73,11 +76,11 @@ class DynamicGenerator:
                              f"the model's ({model.config.vocab_size}): a draft must share the tokenizer")
         if draft_cache is None:
             draft_cache = PagedCache(draft_model, max_tokens=cache.max_tokens, page_size=cache.page_size,
-                                     mode=cache.format)
+                                     mode=cache.format, max_jobs=cache.window_slots or None)
         if len(draft_cache.layers) != draft_model.config.num_layers:
             raise ValueError(f"draft_cache has {len(draft_cache.layers)} layers, the draft model "
                              f"{draft_model.config.num_layers}: make it with PagedCache(draft_model, ...)")
-        return DraftModelRunner(draft_model, draft_cache, max_chunk_size)
+        return DraftModelRunner(draft_model, draft_cache, max_chunk_size, coupled)
 
     # --- queue ---------------------------------------------------------------
     def enqueue(self, job: DynamicJob | Sequence[DynamicJob]) -> None:
@@ -151,6 +154,8 @@ class DynamicGenerator:
             self.policy.observe_step(sum(ch.num_rows for ch in chunks), time.perf_counter() - t0)
         if not self.num_remaining_jobs():
             self.cache.defragment()
+            if self.draft is not None:
+                self.draft.cache.defragment()
         return results
 
     def _drafts(self) -> dict[int, list[int]]:
@@ -182,7 +187,7 @@ class DynamicGenerator:
         logits_cpu = logits.cpu() if any(job.return_logits for job in jobs) else None   # as computed
         logits = mark_nonfinite([ch.job for ch in sampled for _ in range(1 + len(ch.draft))], logits)
         probs = [self._draft_probs.get(id(ch.job)) if ch.draft else None for ch in sampled]
-        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits, probs)
+        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits, probs, self.spec.sampling_rule)
         self._draft_probs = {}
         results, row = [], 0
         for ch, kept in zip(sampled, chosen):
@@ -191,6 +196,8 @@ class DynamicGenerator:
                 DraftPolicy.record(job.state.draft, len(ch.draft), len(kept) - 1)
                 self.counters["drafted_tokens"] += len(ch.draft)
                 self.counters["accepted_draft_tokens"] += len(kept) - 1
+            elif self.policy is not None and ch.num_tokens == 1:
+                DraftPolicy.record(job.state.draft, 0, 0)
             before = len(job.state.new_ids)
             result = self.outputs[id(job)].accept(
                 kept, None if logits_cpu is None else logits_cpu[row: row + len(kept)])

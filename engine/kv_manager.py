@@ -53,6 +53,8 @@ class KVManager:
     def admit(self, job: DynamicJob) -> bool:
         """Reserve the job's pages (False, with nothing held, when they do not fit)."""
         pool, ps, st = self.pool, self.pool.page_size, job.state
+        if self.window and not self.free_windows:
+            return False                             # every block of the window store is in use
         match = pool.match_prefix(job.prompt_ids, job.prompt_len - 1)
         copy_tokens = match.copy_tokens - match.copy_tokens % self.window if self.window else match.copy_tokens
         copy = match.copy_page if copy_tokens else None
@@ -129,10 +131,11 @@ class KVManager:
             self.pool.mark_valid(st.page_table[idx], min(ps, end - idx * ps))
 
     def rollback(self, job: DynamicJob, num_tokens: int) -> None:
-        """Discard the K/V of positions num_tokens and later (never a prompt position)."""
+        """Discard the K/V of positions num_tokens and later: generated positions, or the last
+        prompt position at most (its page is always the job's own, never a shared one)."""
         ps, st = self.pool.page_size, job.state
-        if num_tokens < job.prompt_len:
-            raise ValueError(f"rollback to {num_tokens} tokens would discard prompt tokens "
+        if num_tokens < job.prompt_len - 1:
+            raise ValueError(f"rollback to {num_tokens} tokens would discard shared prompt tokens "
                              f"(the prompt has {job.prompt_len})")
         st.num_computed_tokens = min(st.num_computed_tokens, num_tokens)
         pages = self.pool.pages

@@ -125,6 +125,14 @@ class Scheduler:
                 continue
             start = job.state.num_computed_tokens
             n = min(job.num_tokens - start, budget)
+            if self.max_chunk_size > 1:
+                # NOTE: never leave one prompt token alone, nor compute one alone: the decode kernel
+                # would take it, which agrees with the prefill kernel only to rounding, and a job's
+                # logits would then depend on how the batch around it cut its prompt
+                if job.num_tokens - (start + n) == 1:
+                    n -= 1
+                if n < 2:
+                    continue
             chunks.append(ScheduledChunk(job, start, n))
             budget -= n
         return chunks

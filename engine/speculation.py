@@ -8,11 +8,22 @@ drafts. Row i's logits give the target's distribution p_i for the token after it
     p_i:      p0    p1    p2        pk        p0 judges d1, p1 judges d2, ..., pk gives a bonus token
 
 Greedy: accept d_{i+1} while it is the argmax of p_i; the first mismatch is replaced by the
-argmax, so the output is token-identical to one-at-a-time greedy. Sampling, a draft token with
-probability q(d) under its proposer: accept it with probability min(1, p(d) / q(d)), else draw
-from the residual max(0, p - q), renormalised; each token then has exactly the law p
-(Leviathan et al., theorem 1). An n-gram draft is a point mass (q(d) = 1): accept with
-probability p(d), else draw from p with d removed.
+argmax, so the output is token-identical to one-at-a-time greedy.
+
+Sampling, two rules (SpecSettings.sampling_rule):
+- "coupled" (the default): row i draws the token plain sampling would draw there (the job's next
+  uniform u, inverse CDF of p_i) and d_{i+1} is kept while it equals that token. A job consumes
+  one draw per kept token, as in plain sampling, so a seeded job's tokens are identical to plain
+  sampling's whatever was drafted (resumed and re-batched runs reproduce). An n-gram draft is
+  kept with probability p(d), as under the rejection rule. A draft model draws its token with
+  the same uniform (its generator is the job's, copied), d = inverse CDF of q at u, so it is kept
+  with the probability that the two inverse CDFs agree at u: high when q is close to p, below
+  the rejection rule's sum of min(p, q) otherwise.
+- "rejection" (Leviathan et al., arXiv 2211.17192, theorem 1): a draft token of probability q(d)
+  under its proposer is kept with probability min(1, p(d) / q(d)), else the replacement is drawn
+  from the residual max(0, p - q), renormalised (for an n-gram draft, a point mass: kept with
+  probability p(d), else drawn from p without d). Each token has exactly the law p, but the
+  draws a job consumes depend on its drafts, so a seeded job's tokens depend on them too.
 
 Which drafts are worth verifying (`DraftPolicy`): one more row in the forward costs time b,
 and a step of T rows takes t(T) = a + b T (fitted online from the generator's own decode steps,
@@ -38,8 +49,11 @@ import torch
 PRIOR_ROW_COST = 0.1      # b / a before any decode step of two sizes was timed (a guess; data replace it)
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0    # acceptance starts at 1/2 and follows the job's own record
 HISTORY_DECAY = 0.8       # weight of a job's older verifications against its latest one
+IDLE_DECAY = 0.97         # per step a job does not draft: its record fades back towards the prior, so a
+                          # job (or a batch) that stopped drafting tries again after some tens of steps
 COST_DECAY = 0.97         # weight of older step timings in the cost fit
 MARGIN = 1.15             # a row must pay back this many times its estimated cost
+SAMPLING_RULES = ("coupled", "rejection")
 EXPLORE_EVERY = 8         # while jobs wait, every n-th step verifies the best draft row regardless (so
 EXPLORE_MIN_GAIN = 0.3    # the cost fit sees steps of several sizes), if its acceptance is at least this
 
@@ -53,6 +67,7 @@ class SpecSettings:
     max_ngram: int = 4
     min_ngram: int = 1
     adaptive: bool = True            # False: always verify every proposed token (for tests)
+    sampling_rule: str = "coupled"   # how sampled jobs verify drafts: COUPLED or REJECTION (see module doc)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int) \
@@ -62,6 +77,8 @@ class SpecSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"sampling_rule must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling_rule!r}")
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) exceeds max_ngram ({self.max_ngram})")
 
@@ -131,14 +148,14 @@ class StepCost:
 @dataclass
 class DraftRecord:
     """A job's drafting history (written by DraftPolicy only)."""
-    hits: float = PRIOR_HITS
-    trials: float = PRIOR_TRIALS
+    hits: float = 0.0                # decayed counts of kept drafts ...
+    trials: float = 0.0              # ... and of drafts judged (each verification: kept ones + 1 rejected)
     drafted: int = 0                 # draft tokens verified
     accepted: int = 0                # of them, kept
 
     @property
     def rate(self) -> float:
-        return self.hits / self.trials
+        return (self.hits + PRIOR_HITS) / (self.trials + PRIOR_TRIALS)
 
 
 class DraftPolicy:
@@ -223,8 +240,8 @@ class DraftPolicy:
     @staticmethod
     def record(rec: DraftRecord, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens kept `accepted` (a run of successes, then at most
-        one failure: the geometric law's counts)."""
-        d = HISTORY_DECAY
+        one failure: the geometric law's counts); drafted == 0: a step without drafting."""
+        d = HISTORY_DECAY if drafted else IDLE_DECAY
         rec.hits = d * rec.hits + accepted
         rec.trials = d * rec.trials + accepted + (accepted < drafted)
         rec.drafted += drafted

@@ -43,11 +43,12 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor
 
 
 def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
-                  draft_probs: Optional[Sequence[Optional[Sequence[Optional[torch.Tensor]]]]] = None
-                  ) -> list[list[SampleResult]]:
+                  draft_probs: Optional[Sequence[Optional[Sequence[Optional[torch.Tensor]]]]] = None,
+                  rule: str = "coupled") -> list[list[SampleResult]]:
     """Per job, the tokens it keeps; logits [sum(1 + len(d)), V], each job's rows in order.
     draft_probs: per job, the proposer's distribution q of each draft token (a draft model's), or
-    None where the draft is a point mass (n-gram lookup, or a greedy draft).
+    None where the draft is a point mass (n-gram lookup, or a greedy draft); they are used by the
+    "rejection" rule only (engine/speculation.py describes both rules).
     Plain greedy jobs (no penalties or extras) share one argmax over all their rows (stop tokens
     banned before min_new_tokens at -inf for it, as `sample` bans them); the rest go row by row."""
     starts = [0]
@@ -69,7 +70,7 @@ def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]], logit
     for i, job in enumerate(jobs):
         if out[i] is None:
             qs = None if draft_probs is None else draft_probs[i]
-            out[i] = _verify_rows(job, list(drafts[i]), logits[starts[i]: starts[i + 1]], qs)
+            out[i] = _verify_rows(job, list(drafts[i]), logits[starts[i]: starts[i + 1]], qs, rule == "rejection")
     return out
 
 
@@ -93,17 +94,19 @@ def _argmax_with_bans(rows: torch.Tensor, bans: list[tuple[int, int]]) -> list[i
 
 
 def _verify_rows(job: DynamicJob, draft: list[int], rows: torch.Tensor,
-                 draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[SampleResult]:
+                 draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 rejection: bool = False) -> list[SampleResult]:
     """Row by row: each row gives the target's law for the next token, under the job's settings
-    with the history so far (accepted drafts included). A draft token is kept if the rule accepts
-    it; the first token not a kept draft ends the step."""
+    with the history so far (accepted drafts included). Coupled (and greedy): the row's token is
+    the one plain sampling draws, and the draft is kept if it is that token. Rejection: the draft
+    is kept if the rule accepts it. The first token not a kept draft ends the step."""
     s, rng = job.gen_settings, job.state.rng
     history = job.prompt_ids + job.state.new_ids if s.needs_history else None
     kept: list[SampleResult] = []
     for i, row in enumerate(rows):
         hist = None if history is None else torch.tensor(history, dtype=torch.long)
         proposal = draft[i] if i < len(draft) else None
-        if proposal is None or s.is_greedy:
+        if proposal is None or s.is_greedy or not rejection:
             smp = sample(row, s, hist, rng, banned(job, i))
         else:
             _, probs = target_distribution(row, s, hist, banned(job, i))

@@ -212,3 +212,24 @@ def test_copy_source_is_not_evicted_by_the_allocation_of_its_own_job():
         src = pool.pages[z.state.copy.src_page]
         assert src.ref_count >= 1 and src.num_valid >= z.state.copy.num_tokens
     assert sched.plan(), pool2_before                       # and the scheduler makes progress
+
+
+def test_a_prompt_token_is_never_computed_alone():
+    """A prompt chunk never leaves exactly one token for later, nor is one token (the decode
+    kernel would compute it, which agrees with the prefill kernel only to rounding)."""
+    pool = PagePool(64, 4)
+    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=10)
+    job = _job(list(range(1, 22)))                      # 21 tokens
+    sched.add(job)
+    sched.admit()
+    starts = []
+    while job.state.num_computed_tokens < job.prompt_len:
+        (c,) = sched.plan()
+        starts.append((c.start, c.num_tokens))
+        sched.computed(c)
+    assert starts == [(0, 10), (10, 9), (19, 2)]
+    one = Scheduler(PagePool(64, 4), max_batch_size=None, max_chunk_size=1)   # the only way with a budget of 1
+    j = _job([1, 2, 3])
+    one.add(j)
+    one.admit()
+    assert [(c.start, c.num_tokens) for c in one.plan()] == [(0, 1)]

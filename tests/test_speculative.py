@@ -255,7 +255,7 @@ def _sampled_outcomes(model, speculative: bool, n: int, seed0: int) -> list[tupl
     prompt = [0, 1, 2, 3, 4, 2, 0, 3, 1, 4]      # every token seen: n-gram lookup always proposes
     hot = SamplerSettings(temperature=1.5)
     gen = make_generator(model, max_tokens=16 * (n + 8), page_size=16, use_ngram_draft=speculative,
-                         adaptive_draft=False, num_draft_tokens=3)
+                         adaptive_draft=False, num_draft_tokens=3, sampling_rule="rejection")
     jobs = [DynamicJob(prompt, max_new_tokens=4, gen_settings=hot, seed=seed0 + i, identifier=i) for i in range(n)]
     out = run_jobs(gen, jobs)
     if speculative:
@@ -282,7 +282,7 @@ def vocab5(tiny_model_factory):
 
 
 def test_speculative_sampling_has_the_law_of_plain_sampling(vocab5, monkeypatch):
-    """Four tokens sampled 3,000 times with n-gram drafts (accepted by the point-mass rule) and
+    """The rejection rule. Four tokens sampled 3,000 times with n-gram drafts (accepted by the point-mass rule) and
     3,000 times plainly: a chi-square test does not tell them apart at alpha = 0.01; a rule that
     accepts drafts too often (probability 2 p instead of p) is told apart."""
     from engine import verify
@@ -396,7 +396,8 @@ def test_draft_model_options_are_checked(tiny, vocab5):
 def _draft_sampled(model, draft, n: int, seed0: int) -> list[tuple[int, ...]]:
     prompt = [0, 1, 2, 3, 4, 2, 0, 3, 1, 4]
     hot = SamplerSettings(temperature=1.5)
-    gen = make_generator(model, max_tokens=16 * (n + 8), draft_model=draft, adaptive_draft=False, num_draft_tokens=3)
+    gen = make_generator(model, max_tokens=16 * (n + 8), draft_model=draft, adaptive_draft=False, num_draft_tokens=3,
+                         sampling_rule="rejection")
     out = run_jobs(gen, [DynamicJob(prompt, max_new_tokens=4, gen_settings=hot, seed=seed0 + i, identifier=i)
                          for i in range(n)])
     assert gen.stats()["drafted_tokens"] > n
@@ -404,7 +405,7 @@ def _draft_sampled(model, draft, n: int, seed0: int) -> list[tuple[int, ...]]:
 
 
 def test_draft_model_sampling_has_the_law_of_plain_sampling(vocab5, tiny_model_factory, monkeypatch):
-    """A draft model whose law q differs from the target's p (another random model): the ratio rule
+    """The rejection rule. A draft model whose law q differs from the target's p (another random model): the ratio rule
     with the residual max(0, p - q) gives plain sampling's law; drawing the replacement from p
     instead is told apart."""
     from engine import verify
@@ -430,3 +431,63 @@ def test_smollm2_greedy_with_a_draft_model_is_plain_greedy(smollm2_plain, tiny_m
     assert st["drafted_tokens"] > 500
     if which == "itself":
         assert st["accepted_draft_tokens"] == st["drafted_tokens"]
+
+
+# --- the coupled rule: a seeded job's tokens are plain sampling's -----------------------------------
+COUPLED_SETTINGS = [SamplerSettings(temperature=1.0), SamplerSettings(temperature=0.8, top_p=0.9, top_k=40),
+                    SamplerSettings(temperature=1.2, min_p=0.05, token_repetition_penalty=1.3)]
+
+
+def _seeded_jobs(prompts, n):
+    return [DynamicJob(p, max_new_tokens=n, gen_settings=COUPLED_SETTINGS[i % 3], seed=100 + i, identifier=i)
+            for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("drafts", ["ngram", "draft model"])
+def test_coupled_sampling_gives_plain_sampling_tokens(tiny, vocab5, drafts):
+    """With the default rule, seeded sampled jobs keep exactly the tokens of plain sampling, for any
+    draft length, batch and chunking: drafting changes how many forwards, never what is drawn.
+    (n-gram drafts on the 5-token model, where a sampled token often is the guess; the tiny model
+    drafting for itself, where it always is.)"""
+    model = vocab5 if drafts == "ngram" else tiny
+    g = torch.Generator().manual_seed(80)
+    prompts = [torch.randint(0, 5, (n,), generator=g).tolist() * 3 for n in (3, 4, 6)]
+    prompts += [torch.randint(0, 5, (n,), generator=g).tolist() for n in (9, 15, 9)]
+    opts = {"use_ngram_draft": True} if drafts == "ngram" else {"draft_model": tiny}
+    for k, batch, chunk in ((1, None, 2048), (4, 2, 2048), (3, None, 7)):
+        # NOTE: the reference chunks prompts the same way: a prompt's last token computed alone goes
+        # through the decode kernel, otherwise through the prefill one, which agree only to rounding
+        ref = run_jobs(make_generator(model, max_tokens=8192, max_chunk_size=chunk), _seeded_jobs(prompts, 20))
+        gen = make_generator(model, max_tokens=8192, adaptive_draft=False, num_draft_tokens=k, max_batch_size=batch,
+                             max_chunk_size=chunk, **opts)
+        got = run_jobs(gen, _seeded_jobs(prompts, 20))
+        _assert_same(ref, got)
+        assert gen.stats()["accepted_draft_tokens"] > 0
+
+
+def test_a_draft_model_with_a_cut_draft_and_few_window_blocks(tiny32):
+    """Drafts cut by the chunk budget (the mirror then holds every kept token, and feeds the last one
+    again), and a draft cache with fewer window blocks than the target's running jobs (a job whose
+    mirror finds none drafts nothing)."""
+    from engine import PagedCache
+    prompts = random_prompts(3, [9, 5], tiny32.config.vocab_size, seed=90)
+    ref = run_jobs(make_generator(tiny32, max_tokens=8192), greedy_jobs(prompts, 16))
+    got = run_jobs(make_generator(tiny32, max_tokens=8192, draft_model=tiny32, adaptive_draft=False, max_chunk_size=3),
+                   greedy_jobs(prompts, 16))
+    _assert_same(ref, got)
+    q8 = run_jobs(make_generator(tiny32, max_tokens=1024, mode="q8"), greedy_jobs(prompts, 16))
+    small = PagedCache(tiny32, max_tokens=1024, page_size=16, mode="q8", max_jobs=2)
+    gen = make_generator(tiny32, max_tokens=1024, mode="q8", draft_model=tiny32, draft_cache=small,
+                         adaptive_draft=False)
+    _assert_same(q8, run_jobs(gen, greedy_jobs(prompts, 16)))
+    assert gen.stats()["drafted_tokens"] > 0 and small.pool.num_in_use == 0
+
+
+def test_prompt_logits_do_not_depend_on_how_the_budget_cuts_prompts(tiny):
+    """Drafts take chunk budget, so they move where other jobs' prompts are cut: the first token's
+    logits must not depend on that (plain decoding, several budgets, bitwise)."""
+    prompts = random_prompts(6, [9, 15, 4, 22], tiny.config.vocab_size, seed=95)
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 2, return_logits=True))
+    for chunk in (3, 5, 7, 11):
+        got = run_jobs(make_generator(tiny, max_tokens=8192, max_chunk_size=chunk), greedy_jobs(prompts, 2, return_logits=True))
+        _assert_same(ref, got, logits=True)
