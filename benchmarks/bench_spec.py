@@ -38,6 +38,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
     p.add_argument("--num-draft-tokens", type=positive_int, default=4)
     p.add_argument("--new-tokens", type=positive_int, default=256)
     p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--verify-all", action="store_true",
+                   help="verify every proposed draft token (adaptive_draft=False): for identity checks, not speed")
+    p.add_argument("--cache-mode", default="fp32", help="KV cache mode of both sides and of a draft model (default fp32)")
     p.add_argument("--mmlu-dir", type=Path, default=None, help="cais/mmlu parquet folder for the mmlu workload")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / f"{NAME}.json")
     args = p.parse_args(argv)
@@ -67,12 +70,12 @@ def draft_options(kind: str, model_dir: Path) -> dict[str, Any]:
 
 
 def run_once(model: Model, tokenizer: Tokenizer, prompts: list[list[int]], new_tokens: int,
-             options: dict[str, Any]) -> dict[str, Any]:
+             options: dict[str, Any], mode: str = "fp32") -> dict[str, Any]:
     pages = len(prompts) * (-(-(max(map(len, prompts)) + new_tokens) // PAGE)) + 1
-    cache = PagedCache(model, max_tokens=pages * PAGE, page_size=PAGE, mode="fp32")
+    cache = PagedCache(model, max_tokens=pages * PAGE, page_size=PAGE, mode=mode)
     opts = dict(options)
     if "draft_model" in opts:
-        opts["draft_cache"] = PagedCache(opts["draft_model"], max_tokens=pages * PAGE, page_size=PAGE, mode="fp32")
+        opts["draft_cache"] = PagedCache(opts["draft_model"], max_tokens=pages * PAGE, page_size=PAGE, mode=mode)
     gen = DynamicGenerator(model, cache, tokenizer, **opts)
     tokens: list[list[int]] = [[] for _ in prompts]
     with timed() as t:
@@ -91,19 +94,49 @@ def compare(model: Model, tokenizer: Tokenizer, prompts: list[list[int]], args: 
         order = [("plain", {}), ("spec", options)]
         for side, opts in (order if r % 2 == 0 else order[::-1]):
             (plain_runs if side == "plain" else spec_runs).append(
-                run_once(model, tokenizer, prompts, args.new_tokens, opts))
+                run_once(model, tokenizer, prompts, args.new_tokens, opts, args.cache_mode))
     ratios = [p["seconds"] / s["seconds"] for p, s in zip(plain_runs, spec_runs)]
     identical = all(s["tokens"] == plain_runs[0]["tokens"] for s in spec_runs + plain_runs)
+    gaps = [] if identical else divergences(model, prompts, plain_runs[0]["tokens"], spec_runs[0]["tokens"],
+                                            args.cache_mode)
     st, pst = spec_runs[0]["stats"], plain_runs[0]["stats"]
     return {
         "ratio": statistics.median(ratios), "ratios": ratios,
         "plain_s": [p["seconds"] for p in plain_runs], "spec_s": [s["seconds"] for s in spec_runs],
-        "identical_tokens": identical, "generated_tokens": st["generated_tokens"],
+        "identical_tokens": identical, "divergences": gaps, "generated_tokens": st["generated_tokens"],
         "drafted_tokens": st["drafted_tokens"], "accepted_draft_tokens": st["accepted_draft_tokens"],
         "acceptance": st["accepted_draft_tokens"] / st["drafted_tokens"] if st["drafted_tokens"] else None,
         "tokens_per_forward": st["generated_tokens"] / st["forward_passes"],
         "plain_tokens_per_forward": pst["generated_tokens"] / pst["forward_passes"],
     }
+
+
+def divergences(model: Model, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]],
+                mode: str) -> list[dict[str, Any]]:
+    """Per job whose tokens differ: the first differing position and the logit gap there (plain's
+    token minus speculative's, in logits recomputed over plain's prefix): a near tie, or a real bug."""
+    out = []
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        if a == b:
+            continue
+        n = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        entry: dict[str, Any] = {"job": i, "position": n, "plain_len": len(a), "spec_len": len(b)}
+        if n < min(len(a), len(b)):
+            cache = PagedCache(model, max_tokens=-(-(len(prompts[i]) + n + 1) // PAGE) * PAGE, page_size=PAGE, mode=mode)
+            gen = DynamicGenerator(model, cache)
+            gen.enqueue(DynamicJob(prompts[i] + a[:n], 1, return_logits=True))
+            logits = _one_logits(gen)
+            entry["logit_gap"] = float(logits[a[n]] - logits[b[n]])
+        out.append(entry)
+    return out
+
+
+def _one_logits(gen: DynamicGenerator) -> Any:
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if "logits" in r:
+                return r["logits"][0]
+    raise RuntimeError("the job produced no logits")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -121,6 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for kind in args.drafts:
         options = draft_options(kind, model_dir)
         options["num_draft_tokens"] = args.num_draft_tokens
+        options["adaptive_draft"] = not args.verify_all
         for workload in args.workloads:
             for b in args.batches:
                 prompts = [tokenizer.encode(t) for t in workload_texts(workload, b, args.mmlu_dir)]
@@ -131,6 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                       f"(rounds {', '.join(f'{x:.2f}' for x in cell['ratios'])}), acceptance {acc}, "
                       f"tokens/forward {cell['tokens_per_forward']:.2f} vs {cell['plain_tokens_per_forward']:.2f}, "
                       f"identical {cell['identical_tokens']}")
+                for d in cell["divergences"]:
+                    print(f"    job {d['job']} differs at token {d['position']}: logit gap {d.get('logit_gap', 'n/a')}")
     result["roofs_end"] = measure_roofs()
     print(f"roofs at the end: {format_roofs(result['roofs_end'])}")
     write_result(args.out, result)
