@@ -36,8 +36,8 @@ second rise with the row exactly when
 so rows are taken in order of alpha_j^i while that holds: a job's draft length follows its
 acceptance, and a batch whose rows already keep the machine busy (b E large against t) drafts
 little or nothing. With no job waiting, the run lasts as long as its longest jobs, so drafting
-pays only when all of those keep their drafts (`DraftPolicy._for_makespan`). A margin above 1
-keeps estimation error from making a step slower.
+pays only when each of those keeps enough of its drafts (`DraftPolicy._for_makespan`). A margin
+above 1 keeps estimation error from making a step slower.
 """
 from __future__ import annotations
 
@@ -210,29 +210,30 @@ class DraftPolicy:
     @staticmethod
     def _for_makespan(proposals: dict[int, list[int]], records: dict[int, DraftRecord], remaining: dict[int, int],
                       t: float, costs: tuple[float, float, float]) -> dict[int, list[int]]:
-        """No queue: the run ends when its longest jobs do, so a step is saved only when every one
-        of them (those within num_draft_tokens of the most remaining tokens) keeps i more tokens,
-        with probability prod_j alpha_j^i; each of their draft rows that is not kept costs b, and
-        a draft model's forward a_d + b_d per row. Draft depth i for all of them while the saved
-        step (~t) outweighs that; other jobs do not draft (their kept drafts would save no step,
-        their rejected ones cost)."""
+        """No queue: the run ends when its longest jobs do (those within num_draft_tokens of the most
+        remaining tokens), and over many steps each advances 1 + E_j(D) tokens a step, E_j(D) =
+        sum of alpha_j^i for i <= D, so the run takes 1 / (1 + min_j E_j(D)) of the steps. A step
+        that drafts D tokens for each of them costs t + c_D (c_D: their D rows each, b apiece, plus a
+        draft model's D forwards, a_d + b_d per row). Pick the D with the largest
+        (1 + min_j E_j(D)) / (1 + MARGIN c_D / t), if above 1; other jobs do not draft (they end
+        sooner anyway: their kept drafts would save no step, their rejected ones cost). A longest
+        job with no proposal this step (E = 0) means no drafting."""
         b, a_d, b_d = costs
         last = max(remaining.values())
         slack = max(len(d) for d in proposals.values())
         critical = [j for j, r in remaining.items() if r >= last - slack]
         if any(j not in proposals for j in critical):
             return {}
-        depth = 0
-        while depth < min(len(proposals[j]) for j in critical):
-            i = depth + 1
-            all_keep = 1.0
+        per_depth = b * len(critical) + a_d + b_d * len(critical)
+        best, best_gain = 0, 1.0
+        expected = dict.fromkeys(critical, 0.0)
+        for depth in range(1, min(len(proposals[j]) for j in critical) + 1):
             for j in critical:
-                all_keep *= records[j].rate ** i
-            waste = b * sum(1 - records[j].rate ** i for j in critical) + a_d + b_d * len(critical)
-            if not all_keep * t > MARGIN * waste:
-                break
-            depth = i
-        return {j: proposals[j][:depth] for j in critical} if depth else {}
+                expected[j] += records[j].rate ** depth
+            gain = (1 + min(expected.values())) / (1 + MARGIN * depth * per_depth / t)
+            if gain > best_gain:
+                best, best_gain = depth, gain
+        return {j: proposals[j][:best] for j in critical} if best else {}
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.cost.observe(rows, seconds)

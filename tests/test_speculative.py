@@ -250,6 +250,23 @@ def test_step_cost_fit_recovers_a_line_and_policy_drops_costly_rows():
     assert chosen == {}
 
 
+def test_makespan_rule_drafts_for_every_longest_job_or_none():
+    """No queue: drafting pays when each job that ends last keeps enough of its drafts; a longest
+    job with no proposal, or low acceptance, means no drafting; shorter jobs never draft."""
+    policy = speculation.DraftPolicy(speculation.SpecSettings(num_draft_tokens=4))
+    for rows in (2, 9):
+        policy.cost.observe(rows, 0.02 + 0.001 * rows)          # a = 20 b
+    good = speculation.DraftRecord(hits=50, trials=55)           # ~0.9
+    low = speculation.DraftRecord(hits=1, trials=20)
+    d = [5, 6, 7, 8]
+    remaining = {1: 100, 2: 99, 3: 40}
+    assert policy.choose({1: d, 2: d, 3: d}, {1: good, 2: good, 3: good}, 3, 3, remaining) == {1: d, 2: d}
+    assert policy.choose({1: d, 3: d}, {1: good, 2: good, 3: good}, 3, 3, remaining) == {}    # job 2: no proposal
+    assert policy.choose({1: d, 2: d}, {1: good, 2: low, 3: good}, 3, 3, remaining) == {}
+    many = {j: 100 for j in range(200)}                          # 200 rows: a row costs 1/220 of a step
+    assert policy.choose({j: d for j in many}, {j: good for j in many}, 200, 200, many) == {}
+
+
 # --- sampling: the law of the output is that of plain sampling ---------------------------------
 def _sampled_outcomes(model, speculative: bool, n: int, seed0: int) -> list[tuple[int, ...]]:
     prompt = [0, 1, 2, 3, 4, 2, 0, 3, 1, 4]      # every token seen: n-gram lookup always proposes
