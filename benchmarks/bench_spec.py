@@ -103,6 +103,7 @@ def compare(model: Model, tokenizer: Tokenizer, prompts: list[list[int]], args: 
     return {
         "ratio": statistics.median(ratios), "ratios": ratios,
         "plain_s": [p["seconds"] for p in plain_runs], "spec_s": [s["seconds"] for s in spec_runs],
+        "drafted_per_round": [s["stats"]["drafted_tokens"] for s in spec_runs],
         "identical_tokens": identical, "divergences": gaps, "generated_tokens": st["generated_tokens"],
         "drafted_tokens": st["drafted_tokens"], "accepted_draft_tokens": st["accepted_draft_tokens"],
         "acceptance": st["accepted_draft_tokens"] / st["drafted_tokens"] if st["drafted_tokens"] else None,
@@ -162,6 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 result["cells"].append(cell)
                 acc = "-" if cell["acceptance"] is None else f"{cell['acceptance']:.0%}"
                 print(f"{kind:8s} {workload:10s} batch {b:3d}: {cell['ratio']:.2f}x plain "
+                      f"(drafted per round {cell['drafted_per_round']}) "
                       f"(rounds {', '.join(f'{x:.2f}' for x in cell['ratios'])}), acceptance {acc}, "
                       f"tokens/forward {cell['tokens_per_forward']:.2f} vs {cell['plain_tokens_per_forward']:.2f}, "
                       f"identical {cell['identical_tokens']}")

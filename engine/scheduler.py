@@ -98,8 +98,7 @@ class Scheduler:
 
     def plan(self, drafts: Optional[dict[int, list[int]]] = None) -> list[ScheduledChunk]:
         """Chunks for the next forward: single tokens (decode) first, then prompt chunks.
-        drafts: id(job) -> draft tokens for decode jobs; cut to the chunk budget (a decode
-        job's own token always fits first)."""
+        drafts: id(job) -> draft tokens for decode jobs, given what budget the prompt chunks leave."""
         drafts = drafts or {}
         budget = self.max_chunk_size
         decode, prefill = [], []
@@ -115,9 +114,7 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(job, job.state.num_computed_tokens, 1))
             budget -= 1
-        for ch in chunks:
-            ch.draft = list(drafts.get(id(ch.job), ()))[:budget]
-            budget -= len(ch.draft)
+        decoded = list(chunks)
         for job in prefill:
             if budget == 0:
                 break
@@ -125,7 +122,7 @@ class Scheduler:
                 continue
             start = job.state.num_computed_tokens
             n = min(job.num_tokens - start, budget)
-            if self.max_chunk_size > 1:
+            if self.max_chunk_size > 2:          # (with 2 or fewer it could never finish a prompt)
                 # NOTE: never leave one prompt token alone, nor compute one alone: the decode kernel
                 # would take it, which agrees with the prefill kernel only to rounding, and a job's
                 # logits would then depend on how the batch around it cut its prompt
@@ -135,6 +132,9 @@ class Scheduler:
                     continue
             chunks.append(ScheduledChunk(job, start, n))
             budget -= n
+        for ch in decoded:                   # drafts last: they only speed up, prompts let jobs start
+            ch.draft = list(drafts.get(id(ch.job), ()))[:budget]
+            budget -= len(ch.draft)
         return chunks
 
     def take_copies(self, chunks: list[ScheduledChunk]) -> list[PageCopy]:
