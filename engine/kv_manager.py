@@ -145,7 +145,14 @@ class KVManager:
 
     # --- free --------------------------------------------------------------------
     def free(self, job: DynamicJob) -> None:
-        for pid in job.state.page_table:
+        """Release the job's pages, and the source of a page copy still pending (a job can end
+        before it ever computed: a draft model's mirror whose target finished first)."""
+        st = job.state
+        if st.copy is not None:
+            self.pool.release(st.copy.src_page)
+            st.copy = None
+        st.waits = []
+        for pid in st.page_table:
             self.pool.release(pid)
         job.state.page_table = []
         if job.state.window_slot is not None:

@@ -234,3 +234,19 @@ def test_a_prompt_token_is_never_computed_alone():
         small.add(j)
         small.admit()
         assert [(c.start, c.num_tokens) for c in small.plan()] == [(0, size)]
+
+
+def test_freeing_a_job_with_a_pending_copy_releases_its_source():
+    """A job that waits for a sibling's page (a pending copy) and ends before computing anything
+    (a draft mirror whose target finished) gives back every reference it took."""
+    from engine.kv_manager import KVManager
+    pool = PagePool(16, 4)
+    kv = KVManager(pool)
+    shared = list(range(100, 106))                      # 1 full page + 2 tokens
+    a, b = _job(shared + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]), _job(shared + [7, 8])
+    assert kv.admit(a) and kv.admit(b)
+    assert b.state.copy is not None and b.state.copy.src_page == a.state.page_table[1] and not kv.ready(b)
+    kv.free(b)
+    assert b.state.copy is None and pool.pages[a.state.page_table[1]].ref_count == 1
+    kv.free(a)
+    assert pool.num_in_use == 0

@@ -508,3 +508,16 @@ def test_prompt_logits_do_not_depend_on_how_the_budget_cuts_prompts(tiny):
     for chunk in (3, 5, 7, 11):
         got = run_jobs(make_generator(tiny, max_tokens=8192, max_chunk_size=chunk), greedy_jobs(prompts, 2, return_logits=True))
         _assert_same(ref, got, logits=True)
+
+
+def test_mirrors_waiting_on_a_copy_are_freed_with_their_jobs(tiny):
+    """Mirrors admitted in one step share a prefix: the later ones wait for the first one's pages
+    and hold a pending page copy; jobs that end before their mirror ever computes must release all
+    of it (the idle generator defragments both caches, which needs every page unreferenced)."""
+    shared = random_prompts(1, [20], tiny.config.vocab_size, seed=97)[0]        # a full page + 4 tokens
+    prompts = [shared + t for t in random_prompts(6, [3, 5], tiny.config.vocab_size, seed=98)]
+    for n in (2, 3, 6):
+        ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, n))
+        gen = _with_draft(tiny, tiny)
+        _assert_same(ref, run_jobs(gen, greedy_jobs(prompts, n)))
+        assert gen.draft.cache.pool.num_in_use == 0 and not gen.draft.mirrors
