@@ -151,7 +151,8 @@ class DynamicGenerator:
                 sched.computed(ch)
         results = self._sample(sampled, logits)
         if self.policy is not None and all(ch.num_tokens == 1 for ch in chunks):
-            self.policy.observe_step(sum(ch.num_rows for ch in chunks), time.perf_counter() - t0)
+            self.policy.observe_step(sum(ch.num_rows for ch in chunks), time.perf_counter() - t0,
+                                     any(ch.draft for ch in chunks))
         if not self.num_remaining_jobs():
             self.cache.defragment()
             if self.draft is not None:
@@ -193,11 +194,11 @@ class DynamicGenerator:
         for ch, kept in zip(sampled, chosen):
             job = ch.job
             if ch.draft:                                     # recorded first: a final result reports it
-                DraftPolicy.record(job.state.draft, len(ch.draft), len(kept) - 1)
+                self.policy.record(job.state.draft, len(ch.draft), len(kept) - 1)
                 self.counters["drafted_tokens"] += len(ch.draft)
                 self.counters["accepted_draft_tokens"] += len(kept) - 1
             elif self.policy is not None and ch.num_tokens == 1:
-                DraftPolicy.record(job.state.draft, 0, 0)
+                self.policy.record(job.state.draft, 0, 0)
             before = len(job.state.new_ids)
             result = self.outputs[id(job)].accept(
                 kept, None if logits_cpu is None else logits_cpu[row: row + len(kept)])

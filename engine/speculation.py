@@ -49,6 +49,7 @@ import torch
 PRIOR_ROW_COST = 0.1      # b / a before any decode step of two sizes was timed (a guess; data replace it)
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0    # acceptance starts at 1/2 and follows the job's own record
 HISTORY_DECAY = 0.8       # weight of a job's older verifications against its latest one
+OVERALL_DECAY = 0.99      # the same for the record over all jobs (it follows the workload, slowly)
 IDLE_DECAY = 0.97         # per step a job does not draft: its record fades back towards the prior, so a
                           # job (or a batch) that stopped drafting tries again after some tens of steps
 COST_DECAY = 0.97         # weight of older step timings in the cost fit
@@ -155,7 +156,11 @@ class DraftRecord:
 
     @property
     def rate(self) -> float:
-        return (self.hits + PRIOR_HITS) / (self.trials + PRIOR_TRIALS)
+        return self.rate_with(PRIOR_HITS / PRIOR_TRIALS)
+
+    def rate_with(self, prior: float) -> float:
+        """The job's acceptance rate, its record shrunk towards `prior` (the rate over all jobs)."""
+        return (self.hits + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS)
 
 
 class DraftPolicy:
@@ -165,7 +170,13 @@ class DraftPolicy:
         self.settings = settings
         self.cost = StepCost()
         self.draft_scale = draft_scale
+        self.overall = DraftRecord()      # every job's verifications: how good these drafts are here
         self._steps = 0
+
+    def rate(self, rec: DraftRecord) -> float:
+        """A job's acceptance rate; a job with little record of its own takes the overall one (a
+        draft model bad for this task is learnt once, not paid for again by every new job)."""
+        return rec.rate_with(self.overall.rate)
 
     def choose(self, proposals: dict[int, list[int]], records: dict[int, DraftRecord], base_rows: int,
                base_tokens: int, remaining: Optional[dict[int, int]] = None,
@@ -183,8 +194,10 @@ class DraftPolicy:
         a_d, b_d = self._draft_fit(draft_cost, a, b)
         t = a + b * base_rows
         if remaining is not None:
-            return self._for_makespan(proposals, records, remaining, t, (b, a_d, b_d))
-        rows = [(records[j].rate ** (i + 1), j, i) for j, d in proposals.items() for i in range(len(d))]
+            rates = {j: self.rate(records[j]) for j in proposals}
+            return self._for_makespan(proposals, rates, remaining, t, (b, a_d, b_d))
+        rates = {j: self.rate(records[j]) for j in proposals}
+        rows = [(rates[j] ** (i + 1), j, i) for j, d in proposals.items() for i in range(len(d))]
         rows.sort(key=lambda r: -r[0])
         keep = dict.fromkeys(proposals, 0)
         e, depth = float(base_tokens), 0
@@ -208,7 +221,7 @@ class DraftPolicy:
         return draft_cost.fit()
 
     @staticmethod
-    def _for_makespan(proposals: dict[int, list[int]], records: dict[int, DraftRecord], remaining: dict[int, int],
+    def _for_makespan(proposals: dict[int, list[int]], rates: dict[int, float], remaining: dict[int, int],
                       t: float, costs: tuple[float, float, float]) -> dict[int, list[int]]:
         """No queue: the run ends when its longest jobs do (those within num_draft_tokens of the most
         remaining tokens), and over many steps each advances 1 + E_j(D) tokens a step, E_j(D) =
@@ -229,24 +242,32 @@ class DraftPolicy:
         expected = dict.fromkeys(critical, 0.0)
         for depth in range(1, min(len(proposals[j]) for j in critical) + 1):
             for j in critical:
-                expected[j] += records[j].rate ** depth
+                expected[j] += rates[j] ** depth
             gain = (1 + min(expected.values())) / (1 + MARGIN * depth * per_depth / t)
             if gain > best_gain:
                 best, best_gain = depth, gain
         return {j: proposals[j][:best] for j in critical} if best else {}
 
-    def observe_step(self, rows: int, seconds: float) -> None:
+    def observe_step(self, rows: int, seconds: float, drafted: bool = True) -> None:
+        """A decode step's time; one that drafted nothing also fades the overall record towards
+        the prior (so a run that stopped drafting tries again after a while)."""
         self.cost.observe(rows, seconds)
+        if not drafted:
+            _count(self.overall, 0, 0, IDLE_DECAY)
 
-    @staticmethod
-    def record(rec: DraftRecord, drafted: int, accepted: int) -> None:
+    def record(self, rec: DraftRecord, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens kept `accepted` (a run of successes, then at most
         one failure: the geometric law's counts); drafted == 0: a step without drafting."""
-        d = HISTORY_DECAY if drafted else IDLE_DECAY
-        rec.hits = d * rec.hits + accepted
-        rec.trials = d * rec.trials + accepted + (accepted < drafted)
-        rec.drafted += drafted
-        rec.accepted += accepted
+        _count(rec, drafted, accepted, HISTORY_DECAY if drafted else IDLE_DECAY)
+        if drafted:
+            _count(self.overall, drafted, accepted, OVERALL_DECAY)
+
+
+def _count(rec: DraftRecord, drafted: int, accepted: int, decay: float) -> None:
+    rec.hits = decay * rec.hits + accepted
+    rec.trials = decay * rec.trials + accepted + (accepted < drafted)
+    rec.drafted += drafted
+    rec.accepted += accepted
 
 
 def max_draft(num_tokens: int, new_tokens: int, max_new_tokens: int, max_seq_len: int,
