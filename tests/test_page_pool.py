@@ -132,10 +132,10 @@ def test_max_batch_size_limits_active_jobs():
     assert len(sched.admit()) == 2 and len(sched.active) == 2
 
 
-def test_chunk_budget_splits_long_prompts():
-    pool = PagePool(64, 4)
-    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=8)
-    job = _job(list(range(1, 21)))
+def _prompt_chunks(prompt_len: int, max_chunk_size: int) -> list[tuple[int, int]]:
+    """(start, tokens) of each chunk one job's prompt is computed in, alone."""
+    sched = Scheduler(PagePool(64, 4), max_batch_size=None, max_chunk_size=max_chunk_size)
+    job = _job(list(range(1, prompt_len + 1)))
     sched.add(job)
     sched.admit()
     starts = []
@@ -143,7 +143,11 @@ def test_chunk_budget_splits_long_prompts():
         (c,) = sched.plan()
         starts.append((c.start, c.num_tokens))
         sched.computed(c)
-    assert starts == [(0, 8), (8, 8), (16, 4)]
+    return starts
+
+
+def test_chunk_budget_splits_long_prompts():
+    assert _prompt_chunks(20, 8) == [(0, 8), (8, 8), (16, 4)]
 
 
 def test_compaction_packs_cached_pages_to_the_front():
@@ -217,17 +221,7 @@ def test_copy_source_is_not_evicted_by_the_allocation_of_its_own_job():
 def test_a_prompt_token_is_never_computed_alone():
     """A prompt chunk never leaves exactly one token for later, nor is one token (the decode
     kernel would compute it, which agrees with the prefill kernel only to rounding)."""
-    pool = PagePool(64, 4)
-    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=10)
-    job = _job(list(range(1, 22)))                      # 21 tokens
-    sched.add(job)
-    sched.admit()
-    starts = []
-    while job.state.num_computed_tokens < job.prompt_len:
-        (c,) = sched.plan()
-        starts.append((c.start, c.num_tokens))
-        sched.computed(c)
-    assert starts == [(0, 10), (10, 9), (19, 2)]
+    assert _prompt_chunks(21, 10) == [(0, 10), (10, 9), (19, 2)]
     for size in (1, 2):                                     # the only way with so small a budget
         small = Scheduler(PagePool(64, 4), max_batch_size=None, max_chunk_size=size)
         j = _job([1, 2, 3])
