@@ -40,10 +40,12 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     _humaneval_parser(sub)
     _show_parser(sub)
     from evalrun.compare_cmd import add_compare_parser, add_regress_parser
+    from evalrun.merge_cmd import add_merge_parser
     from evalrun.suite import add_suite_parser
     add_compare_parser(sub)
     add_regress_parser(sub)
     add_suite_parser(sub)
+    add_merge_parser(sub)
     return parser
 
 
@@ -191,6 +193,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flush-seconds", type=float, default=30.0,
                    help="... or every T seconds, whichever comes first (default: 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: show it)")
+    p.add_argument("--shard", metavar="K/N",
+                   help="run only shard K of N (0-based): the selection's work units (an MMLU subject or a chunk "
+                        "of one, all samples of a HumanEval problem), balanced by estimated tokens, the same on "
+                        "every machine; into its own run directory (default OUTPUT_DIR: the usual one with "
+                        "-shard-K-of-N appended). Combine the N directories with `evalrun merge` (default: "
+                        "the whole selection)")
     p.add_argument("--on-nonfinite", choices=("error", "flag"), default="error",
                    help="when the model's logits at a scored position hold NaN or Inf: 'error' stops the run "
                         "naming the first such question or sample (exit 1, the rows before it kept); 'flag' "
@@ -257,6 +265,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Option
         if args.command == "suite":
             from evalrun.suite import run_suite
             return run_suite(args)
+        if args.command == "merge":
+            from evalrun.merge_cmd import run_merge
+            return run_merge(args, argv if argv is not None else sys.argv[1:])
     except RunFailed as exc:
         print(f"evalrun {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_RUN_FAILED

@@ -8,10 +8,13 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from evalrun.engine_config import EngineConfig
 from evalrun.errors import BadInput
+
+if TYPE_CHECKING:
+    from evalrun.shard import TaskShard
 
 
 def check_flush_args(args: argparse.Namespace) -> None:
@@ -84,9 +87,12 @@ def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
 
 
 def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, identity: dict[str, Any],
-                  **extra: Any) -> dict[str, Any]:
+                  shard: "Optional[TaskShard]" = None, **extra: Any) -> dict[str, Any]:
+    """A new run's manifest; a shard's identity also names the shard and its selection."""
     from results import environment_info
     from results.manifest import utc_now
+    if shard is not None:
+        identity, extra = {**identity, **shard.identity()}, {**extra, "shard": shard.record()}
     return {
         "run_id": uuid.uuid4().hex[:12], "task": task, "identity": identity, **extra,
         "seeds": {"base": args.seed}, "cli_args": list(argv), "environment": environment_info(),

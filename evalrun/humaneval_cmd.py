@@ -17,6 +17,7 @@ from evalrun.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
 from evalrun.humaneval_samples import export_samples, read_samples_file, score_samples
 from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
+from evalrun.shard import TaskShard, parse_shard, take_shard
 from results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
                      write_summary)
 from results.manifest import utc_now
@@ -34,6 +35,8 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
         check_flush_args(args)
         if args.cache_modes != ["auto"]:
             raise BadInput("--score-samples executes existing completions; it takes no --cache-mode")
+        if args.shard is not None:
+            raise BadInput("--score-samples scores a samples file whole; it takes no --shard")
         return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
     if len(args.cache_modes) > 1:
         from evalrun.sweep import run_sweep
@@ -47,7 +50,8 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
     check_flush_args(args)
     if args.score_samples:
         raise BadInput("--score-samples cannot be part of a sweep or suite")
-    out_dir = Path(args.output_dir or f"runs/humaneval-{model_name(args.model)}")
+    spec = parse_shard(args.shard)
+    out_dir = Path(args.output_dir or f"runs/humaneval-{model_name(args.model)}{spec.dir_suffix if spec else ''}")
     stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
     try:
@@ -57,9 +61,11 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
         raise BadInput(str(exc)) from exc
     data = load_humaneval(args.data_file, args.hub)
     task = HumanEvalTask(data, settings)
+    shard = take_shard(task, spec) if spec else None
+    task = shard.task if shard else task
     model_dir = resolve_model_dir(args.model)
     fp = fingerprint_model_dir(model_dir)
-    run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "samples",
+    run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir, shard), stored, "samples",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress,
                   on_nonfinite=args.on_nonfinite)
 
@@ -152,12 +158,12 @@ def _open_store(args: argparse.Namespace, out_dir: Path, manifest: dict, key_col
 
 
 def _manifest(args: argparse.Namespace, argv: Sequence[str], cfg: EngineConfig, task: HumanEvalTask, fp: dict,
-              model_dir: Path) -> dict:
+              model_dir: Path, shard: Optional[TaskShard]) -> dict:
     s = task.settings
     identity = {"task": "humaneval", **engine_identity(cfg, fp), "data_fingerprint": task.fingerprint(),
                 "temperature": s.sampler.temperature, "top_p": s.sampler.top_p, "max_new_tokens": s.max_new_tokens,
                 "chat": s.chat, "seed": s.seed, "timeout": args.timeout, "exec_memory_mb": args.exec_memory_mb}
-    return base_manifest(args, argv, "humaneval", identity, **model_manifest(cfg, fp, model_dir),
+    return base_manifest(args, argv, "humaneval", identity, shard, **model_manifest(cfg, fp, model_dir),
                          n_samples=s.n_samples, limit=s.limit)
 
 

@@ -10,6 +10,7 @@ from evalrun.common import (base_manifest, check_flush_args, engine_identity, mo
 from evalrun.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
 from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
+from evalrun.shard import TaskShard, parse_shard, take_shard
 from results import fingerprint_model_dir
 from tasks.mmlu import PROMPT_FORMAT, MMLUTask
 from tasks.mmlu_groups import GROUP_DISPLAY_NAME
@@ -25,7 +26,8 @@ def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def prepare_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
     """Everything decided and checked before a model is loaded (args.cache_mode: one mode)."""
     check_flush_args(args)
-    out_dir = Path(args.output_dir or f"runs/mmlu-{model_name(args.model)}")
+    spec = parse_shard(args.shard)
+    out_dir = Path(args.output_dir or f"runs/mmlu-{model_name(args.model)}{spec.dir_suffix if spec else ''}")
     stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
     subjects = [s.strip() for s in args.subjects.split(",") if s.strip()] if args.subjects else None
@@ -33,19 +35,21 @@ def prepare_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
         task = MMLUTask(args.data_dir, subjects, args.limit, args.num_fewshot)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
+    shard = take_shard(task, spec) if spec else None
+    task = shard.task if shard else task
     model_dir = resolve_model_dir(args.model)
     fp = fingerprint_model_dir(model_dir)
-    run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir), stored, "questions",
+    run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir, shard), stored, "questions",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress,
                   on_nonfinite=args.on_nonfinite)
     return PreparedRun("mmlu", run, pending(run), cfg, model_dir, _print_summary)
 
 
 def _manifest(args: argparse.Namespace, argv: Sequence[str], cfg: EngineConfig, task: MMLUTask, fp: dict,
-              model_dir: Path) -> dict:
+              model_dir: Path, shard: Optional[TaskShard]) -> dict:
     identity = {"task": "mmlu", **engine_identity(cfg, fp), "data_fingerprint": task.fingerprint(),
                 "num_fewshot": task.num_fewshot, "prompt_format": PROMPT_FORMAT}
-    return base_manifest(args, argv, "mmlu", identity, **model_manifest(cfg, fp, model_dir))
+    return base_manifest(args, argv, "mmlu", identity, shard, **model_manifest(cfg, fp, model_dir))
 
 
 def _print_summary(rows: list[dict], per_subject: list[dict], overall: dict, tp: Optional[dict],

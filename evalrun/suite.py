@@ -27,7 +27,8 @@ TASK_COMMANDS = ("mmlu", "humaneval")
 RESERVED = {"output_dir": "the suite decides each run's directory", "cache_mode": "use the model's cache_modes",
             "cache_modes": "cache_modes belongs to [[models]]", "model": "use [[models]] path",
             "overwrite": "a suite resumes its runs; delete a run directory to redo it",
-            "score_samples": "a suite generates; score a samples file with evalrun humaneval"}
+            "score_samples": "a suite generates; score a samples file with evalrun humaneval",
+            "shard": "a suite runs whole tasks; shard with evalrun mmlu/humaneval --shard and evalrun merge"}
 SUMMARY_FILES = ("comparison.md", "comparison.csv", "comparison.json")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -64,7 +65,8 @@ def add_suite_parser(sub: argparse._SubParsersAction) -> None:
                                    "<output_dir>/<task>/<model>/<cache mode>/ (resumable: a rerun computes only "
                                    "what is missing), then print and write one combined table "
                                    "(comparison.md/.csv/.json in output_dir); with a [baseline] section, gate "
-                                   "like `evalrun regress` (exit 1 on a significant drop). Schema: README.")
+                                   "like `evalrun regress` (exit 1 on a significant drop). Schema: README. "
+                                   "Suites run whole tasks: --shard is for evalrun mmlu/humaneval.")
     p.add_argument("file", metavar="FILE.toml", help="the suite")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
 

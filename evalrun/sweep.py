@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from evalrun.common import model_name
 from evalrun.pipeline import ModelLoader, PreparedRun, execute
+from evalrun.shard import shard_suffix
 
 Prepare = Callable[[argparse.Namespace, Sequence[str]], PreparedRun]
 
@@ -47,7 +48,7 @@ def per_run_path(path: str, tag: str) -> str:
 
 def run_sweep(args: argparse.Namespace, argv: Sequence[str], command: str, prepare: Prepare) -> int:
     modes = list(args.cache_modes)
-    root = Path(args.output_dir or f"runs/{command}-{model_name(args.model)}-sweep")
+    root = Path(args.output_dir or f"runs/{command}-{model_name(args.model)}-sweep{shard_suffix(args.shard)}")
     dirs = sweep_dirs(root, modes)
     prepared = []
     for mode, run_dir in zip(modes, dirs):

@@ -153,6 +153,8 @@ _FIELD_WORDS = {
     "data_fingerprint": "the data content",
     "prompt_format": "the prompt format",
     "task": "the task",
+    "shard": "the shard (--shard)",
+    "shard_selection": "the sharded selection (--subjects, --limit, --n-samples)",
 }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pandas as pd
+import pyarrow as pa
 
 from results import checksums
 from results.errors import NotARunDirError, RunDirBusyError, RunReadError
@@ -33,6 +34,12 @@ class RunData:
 
 def load_finished_run(run_dir: str | Path) -> RunData:
     path = Path(run_dir)
+    manifest = finished_manifest(path)
+    return RunData(path, manifest, read_finished_rows(path, manifest).to_pandas())
+
+
+def finished_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the finished run in `path`, or RunReadError saying why it is not one."""
     if not path.exists():
         raise RunReadError(f"{path}: no such run directory")
     if not path.is_dir():
@@ -50,11 +57,13 @@ def load_finished_run(run_dir: str | Path) -> RunData:
     if manifest.get("status") != "finalized":
         raise RunReadError(f"{path}: the run has not finished (status {manifest.get('status')!r}: it was "
                            "stopped or is being resumed); rerun its command to finish it, then compare")
-    return RunData(path, manifest, _read_rows(path, manifest["key_columns"], manifest))
+    return manifest
 
 
-def _read_rows(path: Path, key_columns: list[str], manifest: dict[str, Any]) -> pd.DataFrame:
-    """samples.parquet plus any part not merged into it; a torn file is an error here, not a skip."""
+def read_finished_rows(path: Path, manifest: dict[str, Any]) -> pa.Table:
+    """Every row of a finished run (samples.parquet plus any part not merged into it), with its
+    stored column types; a torn file is an error here, not a skip."""
+    key_columns = manifest["key_columns"]
     samples = path / SAMPLES_FILE
     if not samples.is_file():
         raise RunReadError(f"{path}: {SAMPLES_FILE} is missing from a finished run")
@@ -75,7 +84,7 @@ def _read_rows(path: Path, key_columns: list[str], manifest: dict[str, Any]) -> 
     missing = [c for c in key_columns if c not in base.column_names]
     if missing:
         raise RunReadError(f"{path}: {SAMPLES_FILE} lacks the key column(s) {', '.join(missing)}")
-    return merge_tables(tables, key_columns).to_pandas()
+    return merge_tables(tables, key_columns)
 
 
 def manifest_value(manifest: dict[str, Any], *path: str) -> Optional[Any]:

@@ -103,6 +103,8 @@ class Manifest(TypedDict, total=False):
     n_samples: int  # humaneval: of the session that started the run
     limit: Optional[int]  # humaneval: of the session that started the run
     samples_file: str  # humaneval --score-samples
+    shard: dict[str, Any]  # --shard K/N: {"index", "count", "units", "docs", "selection": {"sha256", "docs", ...}}
+    merged_from: list[dict[str, Any]]  # evalrun merge: [{"path", "run_id", "shard", "throughput"}] per shard
     seeds: dict[str, int]
     cli_args: list[str]
     # set by RunStore.open (setdefault: a caller value wins)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Collection, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -24,6 +24,12 @@ class TaskDataError(ValueError):
 
 
 NONFINITE_COLUMN = "nonfinite_logits"   # a row's flag: its answer came from NaN/Inf logits
+CHARS_PER_TOKEN = 4                     # work-unit estimates: no tokenizer, the same on every machine
+
+
+def estimate_tokens(text: str) -> int:
+    """A model-free token estimate: ceil(characters / CHARS_PER_TOKEN)."""
+    return -(-len(text) // CHARS_PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -62,12 +68,38 @@ class DocPlan:
     prompt: Optional[str] = None        # the prompt's text, stored once per info["prompt_hash"]
 
 
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Documents whose prompts share a prefix (an MMLU subject's preamble and shots, the n samples
+    of one HumanEval problem): kept in one work unit, the engine computes the prefix once.
+    Token figures are model-free estimates (estimate_tokens), identical on every machine."""
+    key: str
+    doc_keys: tuple[tuple, ...]             # in the task's order
+    shared_tokens: int                      # the shared prefix, counted once per unit
+    doc_tokens: tuple[int, ...]             # each document's own part (its question, its generation budget)
+    divisible: bool = False                 # may be cut into consecutive chunks, each repeating the prefix
+
+    def __post_init__(self) -> None:
+        if not self.doc_keys or len(self.doc_keys) != len(self.doc_tokens):
+            raise ValueError(f"prefix group {self.key!r}: needs one token estimate per document, at least one")
+
+    @property
+    def est_tokens(self) -> int:
+        return self.shared_tokens + sum(self.doc_tokens)
+
+
 class Task(Protocol):
     name: str
     key_columns: tuple[str, ...]
 
     def doc_keys(self) -> list[tuple]:
         """Keys of the selected documents' rows, without a tokenizer (to see what a resume has left)."""
+
+    def prefix_groups(self) -> list[PrefixGroup]:
+        """The selected documents grouped by shared prompt prefix, in the task's order (work units)."""
+
+    def restricted(self, keys: Collection[tuple]) -> "Task":
+        """The same task on only the selected documents among `keys` (a shard's); summaries cover them."""
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]: ...
 

@@ -16,11 +16,11 @@ import re
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 from engine import SamplerSettings
 
-from .base import NONFINITE_COLUMN, Answer, DocPlan, Request, prompt_hash, register
+from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash, register
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
 from .registry import HUMANEVAL
@@ -101,19 +101,41 @@ class HumanEvalTask:
     key_columns = HUMANEVAL.key_columns                 # tasks/registry.py: what compare reads
     progress_metric = "passed"
 
-    def __init__(self, data: HumanEvalData, settings: HumanEvalSettings, sandbox: Optional[Sandbox] = None):
+    def __init__(self, data: HumanEvalData, settings: HumanEvalSettings, sandbox: Optional[Sandbox] = None,
+                 only: Optional[Collection[tuple]] = None):
         self.data = data
         self.settings = settings
         self.sandbox = sandbox
-        self.problems = data.problems[: settings.limit]
+        self.only = frozenset(only) if only is not None else None          # a shard's samples (None: all)
+        self.problems = [p for p in data.problems[: settings.limit] if self._sample_keys(p)]
         self._by_id = {p.task_id: p for p in self.problems}
+
+    def _sample_keys(self, problem: HumanEvalProblem) -> list[tuple]:
+        keys = [(problem.task_id, idx) for idx in range(self.settings.n_samples)]
+        return keys if self.only is None else [k for k in keys if k in self.only]
+
+    def restricted(self, keys: Collection[tuple]) -> "HumanEvalTask":
+        """The same task on only these samples (the sandbox is set on the new task later)."""
+        return HumanEvalTask(self.data, self.settings, self.sandbox,
+                             keys if self.only is None else self.only & frozenset(keys))
+
+    def prefix_groups(self) -> list[PrefixGroup]:
+        """One group per problem: its n samples share the prompt. Never cut: all samples of a
+        problem stay in one unit. Estimate: the prompt once plus each sample's --max-new-tokens."""
+        groups = []
+        for problem in self.problems:
+            keys = tuple(self._sample_keys(problem))
+            text = CHAT_INSTRUCTION.format(prompt=problem.prompt) if self.settings.chat else problem.prompt
+            groups.append(PrefixGroup(problem.task_id, keys, estimate_tokens(text),
+                                      (self.settings.max_new_tokens,) * len(keys)))
+        return groups
 
     def fingerprint(self) -> str:
         """The data only: --limit and --n-samples may grow on resume (keys already done are kept)."""
         return self.data.fingerprint
 
     def doc_keys(self) -> list[tuple]:
-        return [(p.task_id, idx) for p in self.problems for idx in range(self.settings.n_samples)]
+        return [key for p in self.problems for key in self._sample_keys(p)]
 
     def prompt_text(self, problem: HumanEvalProblem, tokenizer: Any) -> str:
         if not self.settings.chat:
@@ -129,9 +151,8 @@ class HumanEvalTask:
             ids = tuple(tokenizer.encode(text, encode_special_tokens=s.chat))
             hashed = prompt_hash(ids)
             room = max_seq_len - len(ids)
-            for idx in range(s.n_samples):
-                key = (problem.task_id, idx)
-                seed = sample_seed(s.seed, problem.task_id, idx)
+            for key in self._sample_keys(problem):
+                seed = sample_seed(s.seed, problem.task_id, key[1])
                 if room < 1:
                     yield DocPlan(key, info={"seed": seed, "prompt_hash": hashed}, prompt=text, skip_reason=(
                         f"prompt of {len(ids)} tokens leaves no room in {max_seq_len} (model context or cache)"))

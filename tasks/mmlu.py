@@ -11,11 +11,12 @@ choice is not a single token, its full log-likelihood is summed over one job per
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Collection, Iterator, Optional, Sequence
 
 import torch
 
-from .base import NONFINITE_COLUMN, Answer, DocPlan, Request, TaskDataError, prompt_hash, register
+from .base import (NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, TaskDataError, estimate_tokens,
+                   prompt_hash, register)
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
 from .mmlu_groups import GROUPS, group_of
 from .registry import MMLU
@@ -28,11 +29,16 @@ def format_question(doc: MMLUDoc) -> str:
     return "\n".join(lines) + "\nAnswer:"
 
 
-def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
+def prompt_prefix(subject: str, shots: Sequence[MMLUDoc]) -> str:
+    """What every question of a subject is asked after: the preamble and the shots."""
     text = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
     for shot in shots:
         text += f"{format_question(shot)} {LETTERS[shot.answer]}\n\n"
-    return text + format_question(doc)
+    return text
+
+
+def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
+    return prompt_prefix(subject, shots) + format_question(doc)
 
 
 @register("mmlu")
@@ -41,7 +47,8 @@ class MMLUTask:
     key_columns = MMLU.key_columns                 # tasks/registry.py: what compare reads
 
     def __init__(self, data_dir: Optional[str] = None, subjects: Optional[Sequence[str]] = None,
-                 limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None):
+                 limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None,
+                 only: Optional[Collection[tuple]] = None):
         if not 0 <= num_fewshot <= 5:
             raise ValueError(f"--num-fewshot must be between 0 and 5, got {num_fewshot}")
         if limit is not None and limit < 1:
@@ -53,6 +60,9 @@ class MMLUTask:
             raise TaskDataError(f"unknown subject(s) {', '.join(unknown)}; valid subjects: {', '.join(known)}")
         self.subjects = list(dict.fromkeys(subjects)) if subjects else known    # repeats named once
         self.limit = limit
+        self.only = frozenset(only) if only is not None else None          # a shard's questions (None: all)
+        if self.only is not None:
+            self.subjects = [s for s in self.subjects if any(self._wanted(d) for d in self.data.test[s][:limit])]
         self.num_fewshot = num_fewshot
         self.choice_ids: list[list[int]] = []
 
@@ -67,7 +77,26 @@ class MMLUTask:
 
     def docs(self) -> Iterator[MMLUDoc]:
         for subject in self.subjects:
-            yield from self.data.test[subject][: self.limit]
+            yield from (d for d in self.data.test[subject][: self.limit] if self._wanted(d))
+
+    def _wanted(self, doc: MMLUDoc) -> bool:
+        return self.only is None or (doc.subject, doc.doc_id) in self.only
+
+    def restricted(self, keys: Collection[tuple]) -> "MMLUTask":
+        """The same task on only these questions; its summary lists only their subjects."""
+        return MMLUTask(subjects=self.subjects, limit=self.limit, num_fewshot=self.num_fewshot, data=self.data,
+                        only=keys if self.only is None else self.only & frozenset(keys))
+
+    def prefix_groups(self) -> list[PrefixGroup]:
+        """One group per subject: its questions share the preamble and the shots. A subject may be
+        cut into chunks (the prefix is then computed once per chunk)."""
+        groups = []
+        for subject in self.subjects:
+            docs = [d for d in self.data.test[subject][: self.limit] if self._wanted(d)]
+            shared = estimate_tokens(prompt_prefix(subject, self.data.dev[subject][: self.num_fewshot]))
+            groups.append(PrefixGroup(subject, tuple((d.subject, d.doc_id) for d in docs), shared,
+                                      tuple(estimate_tokens(format_question(d)) for d in docs), divisible=True))
+        return groups
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
         self.choice_ids = [tokenizer.encode(" " + L) for L in LETTERS]
@@ -104,21 +133,26 @@ class MMLUTask:
         }
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Per subject (with its category group); per group and overall as lm-eval aggregates its
-        mmlu groups: accuracy weighted by questions, stderr pooled over the subjects' stderrs;
-        and the macro accuracy (mean over subjects)."""
-        scored = [r for r in rows if not r.get("skipped")]
-        per_subject = []
-        for subject in self.subjects:
-            sub = [bool(r["correct"]) for r in scored if r["subject"] == subject]
-            per_subject.append({"subject": subject, "group": group_of(subject), **_acc(sub)})
-        overall = _pooled(per_subject)
-        overall["groups"] = {g: _pooled([s for s in per_subject if s["group"] == g]) for g in GROUPS}
-        overall["skipped"] = len(rows) - len(scored)
-        overall[NONFINITE_COLUMN] = sum(bool(r.get(NONFINITE_COLUMN)) for r in scored)   # counted as wrong
-        overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
-                                     max(1, sum(1 for s in per_subject if s["n"])))
-        return per_subject, overall
+        return summarize_subjects(rows, self.subjects)
+
+
+def summarize_subjects(rows: list[dict[str, Any]], subjects: Sequence[str]) -> tuple[list[dict[str, Any]],
+                                                                                   dict[str, Any]]:
+    """Per subject of `subjects`, in that order (with its category group); per group and overall as
+    lm-eval aggregates its mmlu groups: accuracy weighted by questions, stderr pooled over the
+    subjects' stderrs; and the macro accuracy (mean over subjects). Needs the rows only."""
+    scored = [r for r in rows if not r.get("skipped")]
+    per_subject = []
+    for subject in subjects:
+        sub = [bool(r["correct"]) for r in scored if r["subject"] == subject]
+        per_subject.append({"subject": subject, "group": group_of(subject), **_acc(sub)})
+    overall = _pooled(per_subject)
+    overall["groups"] = {g: _pooled([s for s in per_subject if s["group"] == g]) for g in GROUPS}
+    overall["skipped"] = len(rows) - len(scored)
+    overall[NONFINITE_COLUMN] = sum(bool(r.get(NONFINITE_COLUMN)) for r in scored)   # counted as wrong
+    overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
+                                 max(1, sum(1 for s in per_subject if s["n"])))
+    return per_subject, overall
 
 
 def _requests(key: tuple, ids: list[int], choice_ids: list[list[int]]) -> list[Request]:

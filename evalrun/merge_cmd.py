@@ -1,0 +1,234 @@
+"""`evalrun merge RUN_DIR... --output-dir DIR`: the N directories of a `--shard K/N` job array
+combined into one ordinary run directory, as if one process had run the whole selection.
+
+    each RUN_DIR: a finished shard run (finalized, manifest["shard"]) holding all its units' rows
+      ──► one task, key columns, shard count and identity but for SHARD_IDENTITY_KEYS (else exit 2
+          naming the first difference and both values); shards 0..N-1 each once; no key twice
+      ──► DIR: manifest.json (the whole run's identity, "merged_from"), one sample part per shard,
+          samples.parquet, the prompts, summary.json/summary.parquet from the task's summary
+
+`evalrun show`, `compare`, `regress` and a resume of the whole run (the same command without
+--shard, into DIR) treat DIR as a run made in one process. Rows are copied as stored: the
+columns in PER_RUN_COLUMNS are the ones that may differ from a single-process run's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from evalrun.errors import BadInput
+
+if TYPE_CHECKING:                        # the parsers are built without torch or pyarrow; the command imports them
+    import pyarrow as pa
+
+# Row columns that legitimately differ from a single-process run's: the run that stored the row (a
+# shard's run_id, listed in merged_from), prompt tokens found in the cache (what else was cached
+# depends on the batch), and a program's execution time.
+PER_RUN_COLUMNS = ("run_id", "cached_tokens", "exec_time")
+# summary.json figures made of those, or of one session (a merged run has no session of its own)
+PER_RUN_SUMMARY_KEYS = ("this_session", "mean_exec_time")
+# Manifest fields of a shard's own store and sessions: not carried into the merged run.
+SESSION_FIELDS = ("run_id", "cli_args", "environment", "start_time", "shard", "schema_version", "key_columns",
+                  "status", "resumes", "finalized_at", "num_samples", "samples_sha256", "end_time", "throughput",
+                  "wall_seconds")
+_NEVER = float("inf")                    # flush_seconds: one part per shard, flushed by hand
+_MISSING = "<missing>"
+
+
+def _summarize_mmlu(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict], dict]:
+    from tasks.mmlu import summarize_subjects
+    return summarize_subjects(rows, groups)              # MMLU's prefix groups are its subjects, in order
+
+
+def _summarize_humaneval(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict], dict]:
+    from tasks.humaneval import summarize_rows
+    return summarize_rows(rows)
+
+
+# task -> its summary from stored rows and the selection's prefix groups (manifest["shard"]["selection"])
+SUMMARIES: dict[str, Callable[[list[dict[str, Any]], Sequence[str]], tuple[list[dict], dict]]] = {
+    "mmlu": _summarize_mmlu, "humaneval": _summarize_humaneval}
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    path: Path
+    manifest: dict[str, Any]
+    rows: "pa.Table"
+
+    @property
+    def index(self) -> int:
+        return int(self.manifest["shard"]["index"])
+
+    @property
+    def count(self) -> int:
+        return int(self.manifest["shard"]["count"])
+
+    @property
+    def label(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def add_merge_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("merge", help="combine the run directories of `--shard K/N` runs into one run",
+                       description="Combine the N shard directories of one `evalrun mmlu|humaneval --shard K/N` "
+                                   "job array into one ordinary run directory, the same as a single-process run "
+                                   "of the whole selection: `evalrun show`, `compare` and a resume treat it so. "
+                                   "Refused (exit 2) when the shards differ in task, settings, model or data "
+                                   "(the message names the difference), when a shard is missing, given twice "
+                                   "or unfinished, or when a row is stored in two shards.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="the shard run directories, in any order")
+    p.add_argument("--output-dir", "--output_path", dest="output_dir", required=True,
+                   help="the merged run directory (required, no default)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in a non-empty --output-dir (default: off, refuse it)")
+
+
+def run_merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    shards = [load_shard(Path(p)) for p in args.run_dirs]
+    check_shards(shards)
+    out = Path(args.output_dir)
+    _check_output_dir(out, shards, args.overwrite)
+    rows, overall = write_merged(out, sorted(shards, key=lambda s: s.index), argv, args.overwrite)
+    from tasks.registry import task_spec
+    metric = task_spec(shards[0].manifest["task"]).aggregate
+    value = overall.get(metric)
+    shown = "-" if value is None or value != value else f"{value:.4f}"
+    print(f"merged {len(shards)} shards ({len(rows)} rows) into {out}: {metric} {shown}; "
+          f"see `evalrun show {out}`")
+    return 0
+
+
+def load_shard(path: Path) -> ShardRun:
+    """A finished shard run, or BadInput naming the directory and what it is not."""
+    from results.errors import RunReadError
+    from results.run_reader import finished_manifest, read_finished_rows
+    try:
+        manifest = finished_manifest(path)
+        rows = read_finished_rows(path, manifest)
+    except RunReadError as exc:
+        raise BadInput(str(exc)) from None
+    if not isinstance(manifest.get("shard"), dict):
+        raise BadInput(f"{path}: not a shard run (made without --shard); merge combines the run directories of "
+                       "`evalrun mmlu|humaneval --shard K/N`")
+    if manifest.get("task") not in SUMMARIES:
+        raise BadInput(f"{path}: evalrun merge knows {' and '.join(SUMMARIES)} runs, not {manifest.get('task')!r}")
+    return ShardRun(path, manifest, rows)
+
+
+def check_shards(shards: Sequence[ShardRun]) -> None:
+    """BadInput unless the shards are exactly the N shards of one run, each complete, disjoint."""
+    first = shards[0]
+    for other in shards[1:]:
+        _check_same_run(first, other)
+    _check_shard_set(shards)
+    for shard in shards:
+        docs = shard.manifest["shard"]["docs"]
+        if shard.rows.num_rows != docs:
+            raise BadInput(f"{shard.path} (shard {shard.label}) holds {shard.rows.num_rows} rows, but its units have "
+                           f"{docs} documents: rerun its command to finish it")
+    _check_disjoint(shards)
+
+
+def _compared(shard: ShardRun) -> dict[str, Any]:
+    """What must be equal between the shards of one run, in the order differences are named."""
+    m = shard.manifest
+    identity = {k: v for k, v in m.get("identity", {}).items() if k != "shard"}
+    return {"task": m.get("task"), "key_columns": m.get("key_columns"), "shard count": shard.count, **identity}
+
+
+def _check_same_run(a: ShardRun, b: ShardRun) -> None:
+    mine, theirs = _compared(a), _compared(b)
+    for name in list(mine) + [k for k in theirs if k not in mine]:
+        x, y = mine.get(name, _MISSING), theirs.get(name, _MISSING)
+        if x != y:
+            hint = " (another --subjects, --limit or --n-samples)" if name == "shard_selection" else ""
+            raise BadInput(f"shards differ in {name}{hint}: {_show(x)} ({a.path}) vs {_show(y)} ({b.path}); "
+                           "merge only the shards of one run")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return f"{value[:12]}..." if len(value) > 24 else value
+    return json.dumps(value)
+
+
+def _check_shard_set(shards: Sequence[ShardRun]) -> None:
+    seen: dict[int, ShardRun] = {}
+    for shard in shards:
+        if shard.index in seen:
+            raise BadInput(f"shard {shard.label} is given twice: {seen[shard.index].path} and {shard.path}")
+        seen[shard.index] = shard
+    count = shards[0].count
+    missing = [f"{i}/{count}" for i in range(count) if i not in seen]
+    if missing:
+        given = ", ".join(s.label for s in sorted(shards, key=lambda s: s.index))
+        raise BadInput(f"shard(s) {', '.join(missing)} missing (given {given}): merge needs all {count} shards "
+                       "of the run")
+
+
+def _check_disjoint(shards: Sequence[ShardRun]) -> None:
+    owner: dict[tuple, ShardRun] = {}
+    for shard in shards:
+        columns = shard.manifest["key_columns"]
+        for key in zip(*(shard.rows.column(c).to_pylist() for c in columns)):
+            if key in owner:
+                raise BadInput(f"row {dict(zip(columns, key))} is stored in two shards: {owner[key].path} "
+                               f"and {shard.path}")
+            owner[key] = shard
+
+
+def _check_output_dir(out: Path, shards: Sequence[ShardRun], overwrite: bool) -> None:
+    if any(out.resolve() == s.path.resolve() for s in shards):
+        raise BadInput(f"--output-dir {out} is one of the shards being merged; merge into another directory")
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--output-dir {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise BadInput(f"--output-dir {out} is not empty; choose another directory, or pass --overwrite to "
+                       "replace the run in it")
+
+
+def merged_manifest(shards: Sequence[ShardRun], argv: Sequence[str]) -> dict[str, Any]:
+    """The first shard's manifest less its sessions' fields, with the whole run's identity."""
+    from evalrun.shard import SHARD_IDENTITY_KEYS
+    from results import environment_info
+    from results.manifest import utc_now
+    first = shards[0].manifest
+    manifest = {k: v for k, v in first.items() if k not in SESSION_FIELDS}
+    manifest["identity"] = {k: v for k, v in first["identity"].items() if k not in SHARD_IDENTITY_KEYS}
+    sources = [{"path": str(s.path.resolve()), "run_id": s.manifest.get("run_id"),
+                "shard": {k: s.manifest["shard"][k] for k in ("index", "count", "units")},
+                "start_time": s.manifest.get("start_time"), "end_time": s.manifest.get("end_time"),
+                "throughput": s.manifest.get("throughput")} for s in shards]
+    return {**manifest, "run_id": uuid.uuid4().hex[:12], "cli_args": list(argv), "environment": environment_info(),
+            "start_time": utc_now(), "merged_from": sources}
+
+
+def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
+                 overwrite: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Write the merged run into `out` (shards in index order); returns its rows and overall summary."""
+    from evalrun.common import clean
+    from results import RunStore, read_prompts, write_prompts, write_summary
+    from results.manifest import utc_now
+    first = shards[0].manifest
+    with RunStore.open(out, merged_manifest(shards, argv), first["key_columns"], overwrite=overwrite,
+                       flush_rows=sys.maxsize, flush_seconds=_NEVER) as store:
+        prompts: dict[str, str] = {}
+        for shard in shards:
+            for digest, text in read_prompts(shard.path).items():
+                prompts.setdefault(digest, text)
+        write_prompts(out, prompts)                      # before the rows that reference them
+        for shard in shards:
+            for row in shard.rows.to_pylist():
+                store.add(row)
+            store.flush()
+        rows = store.finalize().to_dict("records")
+        per, overall = SUMMARIES[first["task"]](rows, first["shard"]["selection"]["groups"])
+        write_summary(out, clean(per), clean(overall))
+        store.record_session(end_time=utc_now())
+    return rows, overall
