@@ -145,14 +145,14 @@ class DynamicGenerator:
         batch, sampled = build_forward_batch(chunks, self.cache, self.model.device)
         logits = self.model.forward(batch, self.cache)                        # [N, V] float32
         self.counters["forward_passes"] += 1
+        rows, drafted = sum(ch.num_rows for ch in chunks), any(ch.draft for ch in chunks)
         for ch in chunks:
             self.counters["prefill_tokens"] += max(0, min(ch.end, ch.job.prompt_len) - ch.start)
             if not ch.draft:
                 sched.computed(ch)
-        results = self._sample(sampled, logits)
+        results = self._sample(sampled, logits)              # verifies the drafts (and clears them)
         if self.policy is not None and all(ch.num_tokens == 1 for ch in chunks):
-            self.policy.observe_step(sum(ch.num_rows for ch in chunks), time.perf_counter() - t0,
-                                     any(ch.draft for ch in chunks))
+            self.policy.observe_step(rows, time.perf_counter() - t0, drafted)
         if not self.num_remaining_jobs():
             self.cache.defragment()
             if self.draft is not None:

@@ -91,6 +91,8 @@ class JobState:
     time_first_token: float = 0.0
     nonfinite_logits: int = 0             # sampled positions whose logits held a NaN or an Inf
     drafter: Optional[NgramDrafter] = None    # n-gram drafting over the job's kept tokens
+    draft_ids: list[int] = field(default_factory=list)       # draft tokens in this step's forward (rows after
+                                                             # the last token), until verified
     draft: DraftRecord = field(default_factory=DraftRecord)   # speculative drafting history
 
 

@@ -15,7 +15,7 @@ pages they need are filled. Everything about pages goes through the KVManager.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from .job import DynamicJob, PageCopy
@@ -28,7 +28,12 @@ class ScheduledChunk:
     job: DynamicJob
     start: int                 # first position computed
     num_tokens: int            # known tokens computed (draft tokens not included)
-    draft: list[int] = field(default_factory=list)   # guessed tokens after them (decode chunks only)
+
+    @property
+    def draft(self) -> list[int]:
+        """Guessed tokens after them: the job's draft being verified (JobState.draft_ids, decode
+        chunks only; set by Scheduler.plan, cleared by Scheduler.computed)."""
+        return self.job.state.draft_ids
 
     @property
     def end(self) -> int:
@@ -133,7 +138,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(job, start, n))
             budget -= n
         for ch in decoded:                   # drafts last: they only speed up, prompts let jobs start
-            ch.draft = list(drafts.get(id(ch.job), ()))[:budget]
+            ch.job.state.draft_ids = list(drafts.get(id(ch.job), ()))[:budget]
             budget -= len(ch.draft)
         return chunks
 
@@ -153,6 +158,7 @@ class Scheduler:
         self.kv.on_computed(chunk.job, chunk.start, kept)
         if kept < chunk.start + chunk.num_rows:
             self.kv.rollback(chunk.job, kept)
+        chunk.job.state.draft_ids = []
 
     def finish(self, job: DynamicJob) -> None:
         self.active.remove(job)

@@ -155,6 +155,35 @@ def test_rejected_tokens_never_reach_dedup_or_the_prompt_cache(tiny, oracle, mon
     _assert_same(ref3, run_jobs(gen, greedy_jobs(longer, 10)))
 
 
+def test_draft_tokens_live_in_the_job_state_until_verified(tiny, oracle, monkeypatch):
+    """While a step's forward runs, each drafting job's JobState.draft_ids holds exactly its chunk's
+    draft rows (the oracle's proposal, cut to the budget); after the step they are cleared, and the
+    output is plain greedy."""
+    prompts = random_prompts(3, [6, 14], tiny.config.vocab_size, seed=40)
+    ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 12))
+    oracle.reference = {tuple(p): ref[i]["all_token_ids"] for i, p in enumerate(prompts)}
+    oracle.wrong = staticmethod(lambda pos: pos % 3 == 2)
+    gen = _spec(tiny, num_draft_tokens=3)
+    seen = []
+    real_forward = gen.model.forward
+
+    def forward(batch, cache):
+        for job in gen.scheduler.active:
+            if job.state.draft_ids:
+                kept = len(job.state.new_ids)
+                seen.append(list(job.state.draft_ids))
+                ref_next = oracle.reference[tuple(job.prompt_ids)][kept: kept + len(job.state.draft_ids)]
+                assert job.state.draft_ids == [(t + 1) % 50 + 3 if oracle.wrong(kept + i) else t
+                                               for i, t in enumerate(ref_next)]        # the oracle's rule
+        return real_forward(batch, cache)
+    monkeypatch.setattr(gen.model, "forward", forward)
+    jobs = greedy_jobs(prompts, 12)
+    got = run_jobs(gen, jobs)
+    _assert_same(ref, got)
+    assert seen and all(len(d) <= 3 for d in seen)
+    assert all(not j.state.draft_ids for j in jobs)
+
+
 def test_sampled_and_greedy_jobs_share_a_verification_forward(tiny, oracle):
     """A sampled job beside drafted greedy jobs: the greedy ones match plain decoding, and the sampled
     one is reproducible from its seed."""
