@@ -28,8 +28,8 @@ import hashlib
 import heapq
 import itertools
 import json
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Collection, Optional, Sequence
 
 from tasks.base import PrefixGroup, Task
 
@@ -112,3 +112,50 @@ def units_digest(units: Sequence[WorkUnit]) -> str:
     cut from the same selection by the same rule."""
     body = {"rule": UNIT_RULE, "units": [[u.key, [list(k) for k in u.doc_keys]] for u in units]}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# -- parcels: what one replica of a Ray run is handed at a time ---------------------------------
+
+PARCELS_PER_REPLICA = 4                 # the size cap for Ray: parcels of at most total / (4 n) tokens
+
+
+@dataclass(frozen=True)
+class Parcel:
+    """Consecutive work units handed to one replica at once (a HumanEval problem alone would make a
+    batch of n jobs); a lost replica's parcel comes back with only the documents still missing."""
+    key: str                            # its first unit's key, "+<k>" when it packs k more
+    units: tuple[str, ...]              # the work units' keys
+    doc_keys: tuple[tuple, ...]         # in the task's order
+    est_tokens: int
+
+    def without(self, received: Collection[tuple]) -> "Parcel":
+        """The same parcel less the documents in `received` (a retry)."""
+        return replace(self, doc_keys=tuple(k for k in self.doc_keys if k not in received))
+
+
+def pack_units(units: Sequence[WorkUnit], cap: int) -> list[Parcel]:
+    """Consecutive units packed into parcels of at most `cap` estimated tokens (a unit above the cap
+    makes a parcel alone); no unit is split, so shared prefixes stay on one replica."""
+    packs: list[list[WorkUnit]] = []
+    load = 0
+    for unit in units:
+        if packs and load + unit.est_tokens <= cap:
+            packs[-1].append(unit)
+            load += unit.est_tokens
+        else:
+            packs.append([unit])
+            load = unit.est_tokens
+    return [Parcel(p[0].key + (f"+{len(p) - 1}" if len(p) > 1 else ""), tuple(u.key for u in p),
+                   tuple(k for u in p for k in u.doc_keys), sum(u.est_tokens for u in p)) for p in packs]
+
+
+def replica_parcels(task: Task, replicas: int) -> tuple[list[Parcel], int]:
+    """The task's parcels for `replicas` replicas, largest first (ties in task order), and the cap
+    (ceil(total / (PARCELS_PER_REPLICA * replicas)) tokens) that cut and packed them."""
+    if replicas < 1:
+        raise ValueError(f"need at least one replica, got {replicas}")
+    groups = task.prefix_groups()
+    cap = max(1, -(-sum(g.est_tokens for g in groups) // (PARCELS_PER_REPLICA * replicas)))
+    parcels = pack_units(work_units(groups, cap), cap)
+    order = {p.key: i for i, p in enumerate(parcels)}
+    return sorted(parcels, key=lambda p: (-p.est_tokens, order[p.key])), cap
