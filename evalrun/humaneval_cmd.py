@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -17,6 +18,7 @@ from evalrun.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
 from evalrun.humaneval_samples import export_samples, read_samples_file, score_samples
 from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
+from evalrun.ray_run import ray_options
 from evalrun.shard import TaskShard, parse_shard, take_shard
 from results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
                      write_summary)
@@ -35,8 +37,8 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
         check_flush_args(args)
         if args.cache_modes != ["auto"]:
             raise BadInput("--score-samples executes existing completions; it takes no --cache-mode")
-        if args.shard is not None:
-            raise BadInput("--score-samples scores a samples file whole; it takes no --shard")
+        if args.shard is not None or args.ray:
+            raise BadInput("--score-samples scores a samples file whole, here; it takes no --shard or --ray")
         return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
     if len(args.cache_modes) > 1:
         from evalrun.sweep import run_sweep
@@ -54,6 +56,7 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
     out_dir = Path(args.output_dir or f"runs/humaneval-{model_name(args.model)}{spec.dir_suffix if spec else ''}")
     stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
+    ray = ray_options(args, cfg)
     try:
         settings = HumanEvalSettings(args.n_samples, SamplerSettings(temperature=args.temperature, top_p=args.top_p),
                                      args.max_new_tokens, args.seed, args.chat, args.limit)
@@ -77,10 +80,32 @@ def prepare_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> Prepared
     def sandboxed() -> Iterator[None]:
         with open_sandbox(args, limits, data) as sandbox:
             task.sandbox = sandbox
-            run.manifest["sandbox"] = sandbox_manifest(args, sandbox)
+            run.manifest["sandbox"] = {**sandbox_manifest(args, sandbox), **({"execute_on": "driver"} if ray else {})}
             yield
 
-    return PreparedRun("humaneval", run, pending(run), cfg, model_dir, report, sandboxed)
+    prepared = PreparedRun("humaneval", run, pending(run), cfg, model_dir, report, sandboxed, ray=ray)
+    if ray is not None and args.execute_on == "replica":
+        prepared.context = contextlib.nullcontext
+        prepared.replica_setup = ReplicaSandbox(limits, args.workers, args.isolation, args.unsafe_exec)
+    elif ray is not None:
+        prepared.finish_row = lambda row: task.check(row["task_id"], row)
+    return prepared
+
+
+@dataclass(frozen=True)
+class ReplicaSandbox:
+    """--execute-on replica: the sandbox each replica opens beside its model, refused there as here
+    where the problems' tests would stay readable (unless --unsafe-exec)."""
+    limits: SandboxLimits
+    workers: int
+    isolation: str
+    unsafe_exec: bool
+
+    @contextlib.contextmanager
+    def open(self, task: HumanEvalTask) -> Iterator[dict[str, Any]]:
+        with open_sandbox(self, self.limits, task.data) as sandbox:
+            task.sandbox = sandbox
+            yield sandbox_manifest(self, sandbox)
 
 
 def _run_scoring(args: argparse.Namespace, argv: Sequence[str], data: HumanEvalData, limits: SandboxLimits) -> int:
@@ -132,7 +157,7 @@ def _check_args(args: argparse.Namespace) -> SandboxLimits:
         raise BadInput(str(exc)) from exc
 
 
-def open_sandbox(args: argparse.Namespace, limits: SandboxLimits, data: HumanEvalData) -> Sandbox:
+def open_sandbox(args: "argparse.Namespace | ReplicaSandbox", limits: SandboxLimits, data: HumanEvalData) -> Sandbox:
     """The sandbox at --isolation with the problems' tests hidden; refuses (BadInput) where they would
     stay readable to the programs, unless --unsafe-exec."""
     try:
@@ -148,7 +173,7 @@ def open_sandbox(args: argparse.Namespace, limits: SandboxLimits, data: HumanEva
     return sandbox
 
 
-def sandbox_manifest(args: argparse.Namespace, sandbox: Sandbox) -> dict:
+def sandbox_manifest(args: "argparse.Namespace | ReplicaSandbox", sandbox: Sandbox) -> dict:
     return {**sandbox.isolation_info(), "unsafe_exec": bool(args.unsafe_exec)}
 
 

@@ -10,6 +10,7 @@ from evalrun.common import (base_manifest, check_flush_args, engine_identity, mo
 from evalrun.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
 from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
+from evalrun.ray_run import ray_options
 from evalrun.shard import TaskShard, parse_shard, take_shard
 from results import fingerprint_model_dir
 from tasks.mmlu import PROMPT_FORMAT, MMLUTask
@@ -30,6 +31,7 @@ def prepare_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
     out_dir = Path(args.output_dir or f"runs/mmlu-{model_name(args.model)}{spec.dir_suffix if spec else ''}")
     stored = stored_run(out_dir, args.overwrite)
     cfg = engine_config(args, stored, out_dir)
+    ray = ray_options(args, cfg)
     subjects = [s.strip() for s in args.subjects.split(",") if s.strip()] if args.subjects else None
     try:
         task = MMLUTask(args.data_dir, subjects, args.limit, args.num_fewshot)
@@ -42,7 +44,7 @@ def prepare_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> PreparedRun:
     run = TaskRun(task, out_dir, _manifest(args, argv, cfg, task, fp, model_dir, shard), stored, "questions",
                   args.overwrite, args.flush_rows, args.flush_seconds, not args.no_progress,
                   on_nonfinite=args.on_nonfinite)
-    return PreparedRun("mmlu", run, pending(run), cfg, model_dir, _print_summary)
+    return PreparedRun("mmlu", run, pending(run), cfg, model_dir, _print_summary, ray=ray)
 
 
 def _manifest(args: argparse.Namespace, argv: Sequence[str], cfg: EngineConfig, task: MMLUTask, fp: dict,

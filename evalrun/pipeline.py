@@ -3,7 +3,9 @@ load the model, queue every remaining request, store rows as they finish, summar
 
     command's prepare(args) ──► PreparedRun: TaskRun (decided without a model) + pending(run)
     execute(prepared, loader) ──► nothing left: report the stored rows
-                              └──► generate(run, ...): model (loaded once per ModelLoader), store, rows, summary
+                              ├──► generate(run, ...): model (loaded once per ModelLoader), store, rows, summary
+                              └──► --ray: evalrun/ray_run.py, rows from Ray replicas, the same store and summary
+                                   (both end in finish_session)
 
 Sweeps (evalrun/sweep.py) and suites (evalrun/suite.py) prepare every run first, so a bad
 setting or a mismatched run directory is refused before anything is computed, then execute
@@ -19,15 +21,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 from evalrun.common import clean, generator_throughput, load_model, make_generator
 from evalrun.engine_config import EngineConfig, announce
-from evalrun.runner import RunTotals, run_task
+from evalrun.runner import run_task
 from results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
                      write_summary)
 from results.manifest import utc_now
 from tasks.base import Task
+
+if TYPE_CHECKING:
+    from evalrun.ray_actor import ReplicaSetup
+    from evalrun.ray_run import RayOptions
 
 # report(rows of the selection, summary rows, overall, this session's throughput or None, run dir)
 Report = Callable[[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], Optional[dict], Path], None]
@@ -86,6 +93,10 @@ class PreparedRun:
     report: Report
     # what must be open while generating (HumanEval: the sandbox pool that scores the completions)
     context: Callable[[], ContextManager[Any]] = field(default=contextlib.nullcontext)
+    ray: "Optional[RayOptions]" = None                       # --ray: computed by Ray replicas
+    replica_setup: "Optional[ReplicaSetup]" = None           # --ray: what each replica opens (its sandbox)
+    # --ray: a generated row's execution on this machine (HumanEval --execute-on driver), None: done on replicas
+    finish_row: Optional[Callable[[dict[str, Any]], Future]] = None
 
 
 class ModelLoader:
@@ -113,6 +124,9 @@ def execute(prepared: PreparedRun, loader: Optional[ModelLoader] = None) -> int:
         return report_stored(p.run, p.todo, p.report)
     announce(p.command, p.cfg)
     with p.context():
+        if p.ray is not None:
+            from evalrun.ray_run import ray_generate
+            return ray_generate(p)
         return generate(p.run, p.todo, p.cfg, p.model_dir, p.report, loader or ModelLoader())
 
 
@@ -126,7 +140,7 @@ def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
         rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
         per, overall = run.task.summarize(rows)
     else:
-        with _open_store(run) as store:
+        with open_store(run) as store:
             rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
             per, overall = run.task.summarize(rows)
             write_summary(run.out_dir, clean(per), clean(overall))
@@ -134,18 +148,34 @@ def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
     return 0
 
 
-def _open_store(run: TaskRun) -> RunStore:
+def open_store(run: TaskRun) -> RunStore:
     return RunStore.open(run.out_dir, run.manifest, key_columns=run.task.key_columns, overwrite=run.overwrite,
                          flush_rows=run.flush_rows, flush_seconds=run.flush_seconds)
 
 
-def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, report: Report,
-             loader: ModelLoader) -> int:
+@dataclass
+class Session:
+    """What this session computed, for the summary and its manifest entry."""
+    rows: int                                # rows scored (skipped ones not counted)
+    nonfinite: int                           # rows flagged for NaN/Inf logits
+    generator: dict[str, Any]                # the generator's counters (--ray: summed over the replicas)
+    throughput: dict[str, Any]
+    skipped: int = 0                         # rows stored as skipped
+    cache_fits: Optional[int] = None         # the cache's prompt limit, where shorter than the model's context
+    record: dict[str, Any] = field(default_factory=dict)    # more fields of the session's entry (--ray: "ray")
+
+
+def say_resuming(run: TaskRun, todo: Pending) -> None:
     if todo.done:
         print(f"resuming {run.out_dir}: {len(todo.done)} of {len(todo.keys)} {run.unit} already done, "
               f"{todo.todo} to run", file=sys.stderr)
+
+
+def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, report: Report,
+             loader: ModelLoader) -> int:
+    say_resuming(run, todo)
     model, tokenizer = loader.get(cfg, model_dir)
-    with _open_store(run) as store:
+    with open_store(run) as store:
         generator = make_generator(cfg, model, tokenizer)
         fits = min(model.max_seq_len, generator.cache.max_tokens)     # longer prompts are skipped rows
         done = store.completed_keys()
@@ -155,31 +185,35 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         t0 = time.time()
         totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress,
                           desc=run.progress_desc, on_nonfinite=run.on_nonfinite)
-        if totals.nonfinite:
-            print(f"warning: {totals.nonfinite} {run.unit} were scored from logits holding NaN or Inf (a broken "
-                  "model or dtype); they count as wrong and are flagged in the nonfinite_logits column",
-                  file=sys.stderr)
-        _warn_cache_skips(run, plans, fits < model.max_seq_len, fits)
-        rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
-        per, overall = run.task.summarize(rows)
-        tp = generator_throughput(generator, t0)
-        write_summary(run.out_dir, clean(per), clean({**overall, "this_session": _session(totals, generator)}))
-        store.record_session(end_time=utc_now(), throughput=tp)
-    report(rows, per, overall, tp, run.out_dir)
+        session = Session(totals.docs, totals.nonfinite, dict(generator.stats()), generator_throughput(generator, t0),
+                          sum(p.skip_reason is not None for p in plans), fits if fits < model.max_seq_len else None)
+        rows, per, overall = finish_session(run, todo, store, session)
+    report(rows, per, overall, session.throughput, run.out_dir)
     return 0
 
 
-def _warn_cache_skips(run: TaskRun, plans: list, cache_limits: bool, fits: int) -> None:
+def finish_session(run: TaskRun, todo: Pending, store: RunStore,
+                   session: Session) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Warn, finalize the store, write the summary and this session's manifest entry; returns the
+    selection's rows, the per-group summary and the overall one."""
+    if session.nonfinite:
+        print(f"warning: {session.nonfinite} {run.unit} were scored from logits holding NaN or Inf (a broken "
+              f"model or dtype); they count as wrong and are flagged in the nonfinite_logits column", file=sys.stderr)
+    _warn_cache_skips(run, session.skipped, session.cache_fits)
+    rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
+    per, overall = run.task.summarize(rows)
+    this_session = {"rows": session.rows, "generator": session.generator}
+    write_summary(run.out_dir, clean(per), clean({**overall, "this_session": this_session}))
+    store.record_session(end_time=utc_now(), throughput=session.throughput, **session.record)
+    return rows, per, overall
+
+
+def _warn_cache_skips(run: TaskRun, skipped: int, fits: Optional[int]) -> None:
     """Rows skipped because their prompt is longer than the KV cache are stored as done: say so."""
-    skipped = sum(p.skip_reason is not None for p in plans)
-    if skipped and cache_limits:
+    if skipped and fits is not None:
         print(f"warning: {skipped} {run.unit} skipped because their prompt does not fit in the KV cache's "
               f"{fits} tokens; they are stored as skipped and a resume will not retry them: run them with a "
               "larger --cache-tokens or --cache-memory into another --output-dir", file=sys.stderr)
-
-
-def _session(totals: RunTotals, generator: Any) -> dict[str, Any]:
-    return {"rows": totals.docs, "generator": dict(generator.stats())}
 
 
 def _selected(rows: list[dict[str, Any]], task: Task, keys: list[tuple]) -> list[dict[str, Any]]:

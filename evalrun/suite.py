@@ -69,6 +69,8 @@ def add_suite_parser(sub: argparse._SubParsersAction) -> None:
                                    "Suites run whole tasks: --shard is for evalrun mmlu/humaneval.")
     p.add_argument("file", metavar="FILE.toml", help="the suite")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
+    from evalrun.ray_run import add_ray_args
+    add_ray_args(p)
 
 
 # ------------------------------------------------------------------------------ reading the file
@@ -213,10 +215,11 @@ def run_suite(args: argparse.Namespace) -> int:
     from evalrun.pipeline import ModelLoader, execute
     suite = load_suite(Path(args.file))
     parser = build_parser(_RaisingParser)
+    from evalrun.ray_run import ray_argv
     from evalrun.sweep import one_mode
     prepared = []
     for entry in suite.entries:                   # every entry checked before anything runs
-        argv = entry.argv + (["--no-progress"] if args.no_progress else [])
+        argv = entry.argv + (["--no-progress"] if args.no_progress else []) + ray_argv(args)
         where = f"{suite.path} ({entry.task}, {entry.model}, {entry.cache_mode})"
         try:
             ns = parser.parse_args(argv)

@@ -75,6 +75,8 @@ class Resume(TypedDict, total=False):
     end_time: str  # this session's figures, when it finished (the first run's stay at the top level)
     throughput: Throughput
     wall_seconds: float  # humaneval --score-samples
+    ray: dict[str, Any]  # --ray: this session's replicas, retries and failed parcels (see Manifest.ray)
+    sandbox: dict[str, Any]  # humaneval --ray --execute-on replica: the replicas' isolation
 
 
 class Manifest(TypedDict, total=False):
@@ -105,6 +107,10 @@ class Manifest(TypedDict, total=False):
     samples_file: str  # humaneval --score-samples
     shard: dict[str, Any]  # --shard K/N: {"index", "count", "units", "docs", "selection": {"sha256", "docs", ...}}
     merged_from: list[dict[str, Any]]  # evalrun merge: [{"path", "run_id", "shard", "throughput"}] per shard
+    # --ray (of the session that started the run; a resume's in its `resumes` entry): the options, "parcels",
+    # "rows", "duplicates_dropped", "actors" [{"slot", "instance", "pid", "node", "parcels", "rows", "end"}],
+    # "retries" [{"parcel", "units", "slot", "attempt", "error", "rows_kept", "docs_left", "outcome"}], "failed"
+    ray: dict[str, Any]
     seeds: dict[str, int]
     cli_args: list[str]
     # set by RunStore.open (setdefault: a caller value wins)

@@ -161,19 +161,32 @@ class HumanEvalTask:
                                   sampler=s.sampler, seed=seed)
                 yield DocPlan(key, [request], {"seed": seed, "prompt_hash": hashed}, prompt=text)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "sandbox": None}          # a sandbox (a process pool) does not travel
+
     def score(self, plan: DocPlan, answers: list[Answer]) -> Future:
-        if self.sandbox is None:
-            raise RuntimeError("HumanEvalTask.score needs a Sandbox")
+        return self.check(plan.doc_key[0], self.generated(plan, answers))
+
+    def generated(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
+        """The sample's row before execution (its completion, no verdict): `score` is check(generated);
+        a --ray run may generate on one machine and check on another."""
         answer = answers[0]
         problem = self._by_id[plan.doc_key[0]]
         completion = extract_code(answer.text, problem.entry_point) if self.settings.chat else answer.text
-        broken = answer.nonfinite_logits > 0           # tokens sampled from NaN/Inf logits: never a pass
         row = {**plan.info, "completion": completion, "stop_reason": answer.stop_reason,
                "new_tokens": len(answer.token_ids), "prompt_tokens": answer.prompt_tokens,
-               "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: broken}
+               "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: answer.nonfinite_logits > 0}
         if self.settings.chat:
             row["response"] = answer.text
-        return submit_check(self.sandbox, problem, completion,
+        return row
+
+    def check(self, task_id: str, row: dict[str, Any]) -> Future:
+        """Future of `row` (a generated row of problem `task_id`) with its execution's verdict; a
+        sample generated from NaN/Inf logits never passes."""
+        if self.sandbox is None:
+            raise RuntimeError("HumanEvalTask.check needs a Sandbox")
+        broken = bool(row[NONFINITE_COLUMN])
+        return submit_check(self.sandbox, self._by_id[task_id], row["completion"],
                             lambda fields: {**row, **fields, **({"passed": False} if broken else {})})
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -17,6 +17,7 @@ from engine import Model
 from evalrun.cli import main
 from evalrun.merge_cmd import PER_RUN_COLUMNS, PER_RUN_SUMMARY_KEYS
 from results.schema import Manifest
+from tests.run_helpers import assert_same_rows
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 SUBJECTS = 5
@@ -53,11 +54,7 @@ def _one_line_error(capsys: pytest.CaptureFixture, command: str) -> str:
 
 
 def _assert_same_rows(merged: Path, single: Path, keys: list[str]) -> None:
-    a = pd.read_parquet(merged / "samples.parquet").sort_values(keys).reset_index(drop=True)
-    b = pd.read_parquet(single / "samples.parquet").sort_values(keys).reset_index(drop=True)
-    assert set(a.columns) == set(b.columns)
-    compared = sorted(set(b.columns) - set(PER_RUN_COLUMNS))
-    pd.testing.assert_frame_equal(a[compared], b[compared], check_exact=True)
+    a = assert_same_rows(merged, single, keys)
     assert set(a.run_id) == {m["run_id"] for m in _manifest(merged)["merged_from"]}
 
 
