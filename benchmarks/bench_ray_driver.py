@@ -8,8 +8,9 @@ driver      the dispatcher and RunStore with in-process fake replicas (benchmark
 ray-driver  the same through Ray: 2 fake actors (no model) streaming those rows, so Ray's per-message
             cost is in; rows/s from the first actor ready to the last row stored
 scaling     `evalrun mmlu --ray --replicas 1`, then `--replicas 2` (--cpus-per-replica 1: one torch thread
-            each), SmolLM2 on --subjects x --limit of MMLU, 5-shot; wall of the dispatch and the ratio,
-            beside a single-process run with one torch thread; the rows of all three must be equal
+            each), SmolLM2 on --subjects x --limit of MMLU, 5-shot, in ABBA order over --rounds pairs;
+            wall of the dispatch and the median ratio, beside a single-process run with one torch
+            thread; the rows of every run must be equal
 
 Ray modes refuse to run outside a private network namespace (shared/FIELD_NOTES.md: Ray binds the
 machine's address). Figures are wall clock on this machine; read them as ratios within one run.
@@ -75,20 +76,36 @@ def bench_ray_driver(docs: int, batch_rows: int, replicas: int) -> dict[str, Any
     with tempfile.TemporaryDirectory() as tmp, ray_instance(opts):
         store, intake = _store_intake(Path(tmp) / "run")
         with store, RayBackend(spec, opts) as backend:
+            t0 = time.perf_counter()
             report = Dispatcher(backend, _parcels(docs, 100), replicas, _key, intake, log=lambda line: None).run()
-            started = time.perf_counter() - max(a["start_seconds"] for a in report.actors)
+            started = time.perf_counter() - t0 - max(a["start_seconds"] for a in report.actors)
     assert report.rows == docs, report.record()
     return {"mode": "ray-driver", "docs": docs, "batch_rows": batch_rows, "replicas": replicas,
             "seconds": round(started, 3), "rows_per_s": round(docs / started)}
 
 
-def bench_scaling(model: Path, data_dir: Path, subjects: str, limit: int) -> dict[str, Any]:
-    """1 vs 2 replicas of one CPU each on the same questions, against one process with one thread."""
+def _ray_run(base: list[str], out: str, n: int) -> dict[str, Any]:
+    from evalrun.cli import main
+    t0 = time.perf_counter()
+    assert main([*base, "--output-dir", out, "--ray", "--replicas", str(n), "--cpus-per-replica", "1"]) == 0
+    ray = json.loads(Path(out, "manifest.json").read_text())["ray"]
+    first_ready = min(a["start_seconds"] for a in ray["actors"])
+    return {"replicas": n, "command_wall_s": round(time.perf_counter() - t0, 2), "dispatch_wall_s": ray["wall_seconds"],
+            "after_first_ready_s": round(ray["wall_seconds"] - first_ready, 2), "parcels": ray["parcels"],
+            "cap_tokens": ray["parcel_cap_tokens"], "parcels_per_replica": [a["parcels"] for a in ray["actors"]],
+            "retries": len(ray["retries"])}
+
+
+def bench_scaling(model: Path, data_dir: Path, subjects: str, limit: int, rounds: int) -> dict[str, Any]:
+    """1 vs 2 replicas of one CPU each on the same questions, in ABBA order over `rounds` pairs, beside
+    one process with one thread; the rows of every run must be equal."""
+    import statistics
+
     import pandas as pd
     import torch
 
     from evalrun.cli import main
-    result: dict[str, Any] = {"mode": "scaling", "subjects": subjects, "limit": limit, "runs": {}}
+    result: dict[str, Any] = {"mode": "scaling", "subjects": subjects, "limit": limit, "rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
         base = ["mmlu", "--no-progress", "--model", str(model), "--data-dir", str(data_dir), "--subjects", subjects,
                 "--limit", str(limit), "--dtype", "float32"]
@@ -96,30 +113,31 @@ def bench_scaling(model: Path, data_dir: Path, subjects: str, limit: int) -> dic
         torch.set_num_threads(1)
         t0 = time.perf_counter()
         assert main([*base, "--output-dir", f"{tmp}/single"]) == 0
-        result["runs"]["single_1_thread"] = {"wall_s": round(time.perf_counter() - t0, 2)}
+        result["single_1_thread_wall_s"] = round(time.perf_counter() - t0, 2)
         torch.set_num_threads(threads)
-        for n in (1, 2):
-            t0 = time.perf_counter()
-            assert main([*base, "--output-dir", f"{tmp}/r{n}", "--ray", "--replicas", str(n),
-                         "--cpus-per-replica", "1"]) == 0
-            ray = json.loads(Path(f"{tmp}/r{n}/manifest.json").read_text())["ray"]
-            first_ready = min(a["start_seconds"] for a in ray["actors"])
-            result["runs"][f"ray_{n}"] = {"command_wall_s": round(time.perf_counter() - t0, 2),
-                                          "dispatch_wall_s": ray["wall_seconds"],
-                                          "after_first_ready_s": round(ray["wall_seconds"] - first_ready, 2),
-                                          "parcels": ray["parcels"], "cap_tokens": ray["parcel_cap_tokens"],
-                                          "parcels_per_replica": [a["parcels"] for a in ray["actors"]]}
-        rows = [pd.read_parquet(f"{tmp}/{d}/samples.parquet").sort_values(["subject", "doc_id"])
-                for d in ("single", "r1", "r2")]
+        dirs = [f"{tmp}/single"]
+        for r in range(rounds):
+            order = (1, 2) if r % 2 == 0 else (2, 1)
+            runs = {n: _ray_run(base, f"{tmp}/round{r}-r{n}", n) for n in order}
+            dirs += [f"{tmp}/round{r}-r{n}" for n in order]
+            result["rounds"].append({"order": list(order), "ray_1": runs[1], "ray_2": runs[2],
+                                     "speedup": {k: round(runs[1][k] / runs[2][k], 3)
+                                                 for k in ("dispatch_wall_s", "after_first_ready_s")}})
+            print(json.dumps(result["rounds"][-1]), file=sys.stderr, flush=True)
+        rows = [pd.read_parquet(f"{d}/samples.parquet").sort_values(["subject", "doc_id"]) for d in dirs]
         same = [[r[c].map(str).tolist() for c in ("prediction", "choice_logprobs")] for r in rows]
         result["rows_equal"] = all(s == same[0] for s in same[1:])
-    one, two = result["runs"]["ray_1"], result["runs"]["ray_2"]
-    result["speedup_2_over_1"] = {k: round(one[k] / two[k], 3) for k in ("dispatch_wall_s", "after_first_ready_s")}
+        result["questions"] = len(rows[0])
+    result["speedup_2_over_1_median"] = {k: statistics.median(r["speedup"][k] for r in result["rounds"])
+                                         for k in ("dispatch_wall_s", "after_first_ready_s")}
     return result
 
 
 def _in_private_netns() -> bool:
-    return sorted(p.name for p in Path("/sys/class/net").iterdir()) == ["lo"]
+    """Loopback is this process's only network interface (/proc/self/net/dev is per namespace;
+    /sys/class/net shows the namespace sysfs was mounted in)."""
+    lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    return [line.split(":")[0].strip() for line in lines] == ["lo"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=DEFAULT_MMLU_DIR, help="scaling: MMLU (default: shared/data/mmlu)")
     p.add_argument("--subjects", default=SUBJECTS, help=f"scaling: MMLU subjects (default {SUBJECTS})")
     p.add_argument("--limit", type=positive_int, default=16, help="scaling: questions per subject (default 16)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="scaling: ABBA pairs of 1 and 2 replicas (default 2)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / "bench_ray_driver.json")
     args = p.parse_args(argv)
     if {"ray-driver", "scaling"} & set(args.modes) and not _in_private_netns():
@@ -142,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "driver":
             new = [bench_driver(args.docs, b, 4) for b in sorted({1, 8, args.batch_rows})]
         elif mode == "ray-driver":
-            new = [bench_ray_driver(args.docs, args.batch_rows, 2)]
+            new = [bench_ray_driver(args.docs, b, 2) for b in sorted({1, args.batch_rows})]
         else:
             from evalrun.demo import ensure_demo_model
-            new = [bench_scaling(args.model or ensure_demo_model(), args.data_dir, args.subjects, args.limit)]
+            new = [bench_scaling(args.model or ensure_demo_model(), args.data_dir, args.subjects, args.limit,
+                                 args.rounds)]
         for r in new:
             print(json.dumps(r), flush=True)
         results += new

@@ -157,10 +157,15 @@ class LayerKV:
     @classmethod
     def allocate(cls, fmt: KVFormat, num_pages_with_null: int, page_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, window_slots: int = 0) -> "LayerKV":
-        """Zeros (so the null page reads as zero K/V) of every storage tensor; with a window,
-        `window_slots` job blocks of it."""
-        tensors = {name: torch.zeros((num_pages_with_null, page_size, *shape), dtype=dtype, device=device)
+        """Every storage tensor, its last page (the null page) zeros so padded reads see zero K/V;
+        with a window, `window_slots` job blocks of it. The real pages are left unwritten
+        (torch.empty): no kernel reads a slot before its token is written (the tests poison them
+        with NaN to check), and zero-filling a 65536-token float32 cache of SmolLM2 took ~7 s of
+        every process start (a Ray replica's included), while empty pages are mapped on first use."""
+        tensors = {name: torch.empty((num_pages_with_null, page_size, *shape), dtype=dtype, device=device)
                    for name, (shape, dtype) in fmt.slot_shapes(num_kv_heads, head_dim).items()}
+        for t in tensors.values():
+            t[num_pages_with_null - 1].zero_()
         if fmt.window:
             fmt.check_page_size(page_size)
             if window_slots < 1:

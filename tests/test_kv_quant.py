@@ -385,7 +385,9 @@ def test_native_quantize_on_write_is_the_reference_bit_for_bit(monkeypatch, mode
     k[11, 0, :32] = 1e-9                               # scales among float16 subnormals
     slots = torch.randperm(9 * 16, generator=g)[:70]
     ref, got = (LayerKV.allocate(fmt, 9, 16, 3, 64, torch.device("cpu")) for _ in range(2))
-    for layer in (ref, got):
+    for layer in (ref, got):                           # allocate leaves real pages unwritten: set them alike
+        for t in layer.tensors():
+            t.zero_()
         for t in layer.data_tensors():
             t.fill_(float("nan"))
     write_kv(k, v, ref, slots)
@@ -415,6 +417,6 @@ def test_native_backend_writes_and_rotates_natively_for_code_formats(monkeypatch
     assert backend.describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
     assert backend.describe(KV_FORMATS["fp32"])["kv_write"] == "torch"
     layer = LayerKV.allocate(PAGE_FORMATS["q4"], 5, 8, 2, 64, torch.device("cpu"))
-    backend.write_kv(torch.randn(20, 2, 64), torch.randn(20, 2, 64), layer, torch.arange(20))
+    backend.write_kv(torch.randn(32, 2, 64), torch.randn(32, 2, 64), layer, torch.arange(32))   # pages 0-3 whole
     meta = build_metadata([1, 3], [9, 11], [[0, 1], [2, 3]], 8, 4, torch.device("cpu"))
     assert torch.isfinite(backend.attention(torch.randn(4, 4, 64), layer, meta, 0.125)).all()

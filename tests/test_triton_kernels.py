@@ -195,6 +195,8 @@ def test_write_kv_matches_reference(mode, src_dtype):
     layers = []
     for _ in range(2):
         layer = LayerKV.allocate(PAGE_FORMATS[mode], 7, page_size, hkv, d, DEVICE)
+        for t in layer.tensors():                      # real pages come unwritten: start both alike
+            t.zero_()
         layer.k[:6], layer.v[:6] = float("nan"), float("nan")
         layers.append(layer)
     assert triton_cache_ops.supported(k, v, layers[0])
@@ -220,6 +222,8 @@ def test_backend_choice_describe_and_fallbacks():
     k = torch.randn(3, 2, 32, device=DEVICE)
     qlayer = LayerKV.allocate(q4, 3, 4, 2, 32, DEVICE)
     ref = LayerKV.allocate(q4, 3, 4, 2, 32, DEVICE)
+    for t in (*qlayer.tensors(), *ref.tensors()):     # real pages come unwritten: compare from alike
+        t.zero_()
     assert not triton_cache_ops.supported(k, k, qlayer)
     kernels.write_kv(k, k, qlayer, torch.tensor([0, 5, 2], device=DEVICE))
     write_kv_torch(k, k, ref, torch.tensor([0, 5, 2], device=DEVICE))
