@@ -28,6 +28,7 @@ from evalrun.engine_config import EngineConfig
 from tasks.base import Answer, DocPlan, Task
 
 Put = Callable[[tuple[str, Any]], None]
+EVALRUN_TEST_FAIL = "test hook: this document fails on every replica:"
 
 
 class ReplicaSetup(Protocol):
@@ -70,10 +71,12 @@ class ReplicaHooks:
     parcel creates `pidfile`, writes its pid there and stops streaming (it sleeps), so a test can
     SIGKILL it mid-parcel; the others, and it after a restart, find the file and go on.
     EVALRUN_TEST_REPLICA_DELAY=SECONDS: every replica sleeps that long after each message it sends
-    (a tiny model is done before the second replica has started)."""
+    (a tiny model is done before the second replica has started).
+    EVALRUN_TEST_FAIL_DOC=JSON key: a parcel holding that document raises on every replica."""
     pause_rows: Optional[int] = None
     pidfile: str = ""
     delay: float = 0.0
+    fail_doc: Optional[tuple] = None
 
 
 class GenerateOnly:
@@ -177,6 +180,8 @@ class Replica:
     def _work(self, doc_keys: tuple[tuple, ...], put: Put) -> None:
         assert self.worker is not None
         try:
+            if self.hooks is not None and self.hooks.fail_doc in doc_keys:
+                raise RuntimeError(f"{EVALRUN_TEST_FAIL} {self.hooks.fail_doc}")
             put(("done", self.worker.run(doc_keys, put)))
         except BaseException as exc:  # noqa: BLE001 - sent to the driver, which retries the parcel elsewhere
             traceback.print_exc(file=sys.stderr)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 PAUSE_ENV = "EVALRUN_TEST_PAUSE_REPLICA"      # tests: ROWS:PIDFILE (evalrun/ray_actor.py ReplicaHooks)
 DELAY_ENV = "EVALRUN_TEST_REPLICA_DELAY"      # tests: SECONDS after each message
+FAIL_ENV = "EVALRUN_TEST_FAIL_DOC"            # tests: a document key (JSON) whose parcel raises everywhere
 _RAY_FLAGS = {"ray_address": "--ray-address", "replicas": "--replicas", "gpus_per_replica": "--gpus-per-replica",
               "cpus_per_replica": "--cpus-per-replica", "ray_timeout": "--ray-timeout",
               "ray_batch_rows": "--ray-batch-rows"}
@@ -47,7 +48,8 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", metavar="ADDRESS",
                    help="join this running Ray cluster (host:port, ray://host:port or auto) instead of starting "
                         "a local Ray instance for the run (default: a local instance, stopped at the end)")
-    p.add_argument("--replicas", type=int, metavar="N", help="model replicas (Ray actors) to run; required with --ray (no default)")
+    p.add_argument("--replicas", type=int, metavar="N",
+                   help="model replicas (Ray actors) to run; required with --ray (no default)")
     p.add_argument("--gpus-per-replica", type=float, metavar="G",
                    help="GPUs each replica asks Ray for (default: 1 with --device cuda, else 0)")
     p.add_argument("--cpus-per-replica", type=float, metavar="C",
@@ -180,13 +182,17 @@ class StoreIntake:
 
 
 def replica_hooks() -> Any:
-    """The tests' ReplicaHooks from $EVALRUN_TEST_PAUSE_REPLICA, $EVALRUN_TEST_REPLICA_DELAY (None: unset)."""
+    """The tests' ReplicaHooks from $EVALRUN_TEST_PAUSE_REPLICA, $EVALRUN_TEST_REPLICA_DELAY and
+    $EVALRUN_TEST_FAIL_DOC (None: all unset)."""
+    import json
+
     from evalrun.ray_actor import ReplicaHooks
-    pause, delay = os.environ.get(PAUSE_ENV), os.environ.get(DELAY_ENV)
-    if not pause and not delay:
+    pause, delay, fail = os.environ.get(PAUSE_ENV), os.environ.get(DELAY_ENV), os.environ.get(FAIL_ENV)
+    if not pause and not delay and not fail:
         return None
     rows, _, path = (pause or "").partition(":")
-    return ReplicaHooks(int(rows) if rows else None, path, float(delay or 0))
+    return ReplicaHooks(int(rows) if rows else None, path, float(delay or 0),
+                        tuple(json.loads(fail)) if fail else None)
 
 
 def ray_generate(p: "PreparedRun") -> int:

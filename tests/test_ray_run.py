@@ -2,8 +2,9 @@
 namespace (`unshare -n`, loopback up: shared/FIELD_NOTES.md), the CLI as a subprocess:
 the rows equal a single-process run's question by question (tiny model; SmolLM2, slow); a
 replica SIGKILLed mid-parcel is restarted, its rows kept, the rest recomputed once and the retry
-recorded; a SIGKILLed or SIGTERMed driver leaves no process of its namespace behind, and the
-rerun computes only what was not stored."""
+recorded; a parcel failing on every replica ends the run with exit 1, the rest stored; a
+SIGKILLed or SIGTERMed driver leaves no process of its namespace behind, and the rerun computes
+only what was not stored."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ import pytest
 
 from evalrun.cli import main
 from evalrun.merge_cmd import PER_RUN_SUMMARY_KEYS
-from evalrun.ray_run import DELAY_ENV, PAUSE_ENV
+from evalrun.ray_run import DELAY_ENV, FAIL_ENV, PAUSE_ENV
 from results import stored_keys
 from tests.run_helpers import assert_same_rows
 
@@ -193,6 +194,25 @@ def test_a_replica_killed_mid_parcel_is_replaced_and_no_row_is_lost_or_stored_tw
     assert "ActorDiedError" in retry["error"] and killed["end"].startswith("lost: ActorDiedError")
     assert any(a["slot"] == killed["slot"] and a["instance"] == 1 for a in record["actors"])     # restarted
     assert record["duplicates_dropped"] == 0 and record["rows"] == QUESTIONS
+
+
+def test_a_parcel_failing_on_every_replica_ends_the_run_with_1_after_storing_the_rest(tiny_model_dir, single_mmlu,
+                                                                                      tmp_path):
+    out, log = tmp_path / "ray", tmp_path / "log.txt"
+    bad = tuple(pd.read_parquet(single_mmlu / "samples.parquet")[MMLU_KEYS].iloc[7])
+    args = [*_mmlu_args(tiny_model_dir, out), "--ray", "--replicas", "2"]
+    text = _finish(_start(args, log, **{FAIL_ENV: json.dumps([str(bad[0]), int(bad[1])])}), log, want=1)
+    assert "1 parcel(s) failed on every replica tried" in text and "rerunning the same command" in text
+    record = _manifest(out)["ray"]
+    [failed] = record["failed"]
+    assert failed["attempts"] == 2 and "test hook" in failed["error"]
+    tries = [r for r in record["retries"] if r["parcel"] == failed["parcel"]]
+    assert sorted(r["slot"] for r in tries) == [0, 1] and tries[-1]["outcome"] == "given up"
+    stored = stored_keys(out, MMLU_KEYS)
+    assert bad not in stored and len(stored) == QUESTIONS - failed["docs"] and record["rows"] == len(stored)
+    rerun = tmp_path / "rerun.txt"
+    assert f"{len(stored)} of {QUESTIONS} questions already done" in _finish(_start(args, rerun), rerun)
+    assert_same_rows(out, single_mmlu, MMLU_KEYS)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
