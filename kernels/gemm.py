@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import native
+from . import huge_pages, native
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {
@@ -79,7 +79,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)} {weight.dtype} {weight.device}")
     n, k = weight.shape
     w = weight.contiguous()
-    out = torch.empty(lib.gemm_packed_floats(n, k), dtype=torch.float32)
+    out = huge_pages.empty((lib.gemm_packed_floats(n, k),), torch.float32)     # streamed every decode step
     if lib.gemm_pack_f32(w.data_ptr(), n, k, out.data_ptr()) != 0:
         raise ValueError(f"gemm.pack cannot take shape {tuple(weight.shape)}")
     return out

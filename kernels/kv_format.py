@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from kernels import huge_pages
+
 DEFAULT_WINDOW = 128    # see benchmarks/bench_cache_modes.py for what it buys
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -158,11 +160,11 @@ class LayerKV:
     def allocate(cls, fmt: KVFormat, num_pages_with_null: int, page_size: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, window_slots: int = 0) -> "LayerKV":
         """Every storage tensor, its last page (the null page) zeros so padded reads see zero K/V;
-        with a window, `window_slots` job blocks of it. The real pages are left unwritten
-        (torch.empty): no kernel reads a slot before its token is written (the tests poison them
-        with NaN to check), and zero-filling a 65536-token float32 cache of SmolLM2 took ~7 s of
-        every process start (a Ray replica's included), while empty pages are mapped on first use."""
-        tensors = {name: torch.empty((num_pages_with_null, page_size, *shape), dtype=dtype, device=device)
+        with a window, `window_slots` job blocks of it. The real pages are left unwritten, on 2 MiB
+        pages where the OS allows (kernels/huge_pages.py): no kernel reads a slot before its token
+        is written (the tests poison them with NaN to check), and zero-filling a 65536-token
+        float32 cache of SmolLM2 took ~7 s of every process start (a Ray replica's included)."""
+        tensors = {name: huge_pages.empty((num_pages_with_null, page_size, *shape), dtype, device)
                    for name, (shape, dtype) in fmt.slot_shapes(num_kv_heads, head_dim).items()}
         for t in tensors.values():
             t[num_pages_with_null - 1].zero_()
