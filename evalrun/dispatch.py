@@ -153,7 +153,8 @@ class Dispatcher:
         self.seen = set(seen)
         self.slots = [_Slot(i) for i in range(replicas)]
         self.max_attempts = limits.max_attempts or max(2, replicas)
-        self.failed_on: dict[str, set[int]] = {}
+        self.failed_on: dict[str, set[int]] = {}          # parcel key -> the slots it failed on
+        self.failures: dict[str, int] = {}                 # parcel key -> its failures so far
         self.report = DispatchReport(len(parcels))
         self._tokens = itertools.count(1)
         self._last_loss = ""
@@ -248,7 +249,7 @@ class Dispatcher:
         rest = parcel.without(self.seen)
         tried = self.failed_on.setdefault(parcel.key, set())
         tried.add(slot.index)
-        attempt = sum(1 for r in self.report.retries if r["parcel"] == parcel.key) + 1
+        attempt = self.failures[parcel.key] = self.failures.get(parcel.key, 0) + 1
         outcome = ("nothing left to redo" if not rest.doc_keys else
                    "given up" if attempt >= self.max_attempts else "re-queued")
         self.report.retries.append({"parcel": parcel.key, "units": list(parcel.units), "slot": slot.index,

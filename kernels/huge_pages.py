@@ -40,8 +40,7 @@ def _madvise(address: int, length: int) -> bool:
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """An uninitialised contiguous tensor, on huge pages where that applies (see the module)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not enabled():
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
