@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, TORCH_DTYPE, base_parser, positive_int, ratio, timed,
+from benchmarks.common import (start_run, warm_up_ours, add_prefault_arg, prefaulted, CACHE_MODE, TORCH_DTYPE, base_parser, positive_int, ratio, timed,
                                paired_vllm_rounds, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
@@ -73,6 +73,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
                         help="our jobs without EOS banned (no stop tokens: EOS may be sampled and generation "
                              "goes on); default: EOS banned for the T tokens, as transformers' min_new_tokens "
                              "and vLLM's min_tokens do")
+    add_prefault_arg(parser)
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="timed rounds of ours (and vLLM's, paired with ours, ABBA order); figures are "
                              "medians, the vLLM ratio the median of the rounds' ratios (default 3)")
@@ -110,6 +111,7 @@ def load_ours(args: Any, model_dir: Path, tokenizer: Tokenizer) -> Model:
 
 def run_ours(args: Any, model: Model, tokenizer: Tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
     cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=CACHE_MODE[args.dtype])
+    prefault_s = prefaulted(cache, args)
     generator = DynamicGenerator(model, cache, tokenizer)
     completions: list[list[int]] = [[] for _ in prompts]
     first_token_s: list[float] = [0.0] * len(prompts)
@@ -124,7 +126,7 @@ def run_ours(args: Any, model: Model, tokenizer: Tokenizer, prompts: list[list[i
                 if r["eos"]:
                     first_token_s[r["identifier"]] = r["time_enqueued"] + r["time_prefill"]
     return {"seconds": t.seconds, "completions": completions, "stats": generator.stats(),
-            "last_first_token_s": max(first_token_s)}
+            "last_first_token_s": max(first_token_s), "prefault_s": prefault_s}
 
 
 def our_logits(args: Any, model: Model, tokenizer: Tokenizer, contexts: list[list[int]]) -> list[torch.Tensor]:

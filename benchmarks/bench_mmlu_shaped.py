@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.common import (start_run, warm_up_ours, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
+from benchmarks.common import (start_run, warm_up_ours, add_prefault_arg, prefaulted, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
                                load_mmlu, mmlu_prompt, positive_int, ratio, select_mmlu,
                                paired_vllm_rounds, timed, write_result)
 from benchmarks.paired import round_pairs
@@ -62,6 +62,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
                         help="instead of --n/--subjects: N test questions drawn at random from all "
                              "subjects (seeded by --seed), as in a slice of a full MMLU run")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    add_prefault_arg(parser)
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="timed rounds of ours (paired with vLLM's, ABBA, when --vllm-python is given); "
                              "figures are medians (default 3)")
@@ -104,6 +105,7 @@ def run_ours(args: Any, model: Model, tokenizer: Tokenizer, questions: list[Ques
              choice_ids: list[int]) -> dict[str, Any]:
     """One timed run on a fresh cache (nothing cached from an earlier round)."""
     cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=CACHE_MODE[args.dtype])
+    prefault_s = prefaulted(cache, args)
     generator = DynamicGenerator(model, cache, tokenizer)
     logprobs = torch.full((len(questions), 4), float("nan"))
     with timed() as t:
@@ -113,7 +115,7 @@ def run_ours(args: Any, model: Model, tokenizer: Tokenizer, questions: list[Ques
             for r in generator.iterate():
                 if r["eos"]:
                     logprobs[r["identifier"]] = choice_logprobs(r["logits"][-1], choice_ids)
-    return {"seconds": t.seconds, "logprobs": logprobs, "stats": generator.stats()}
+    return {"seconds": t.seconds, "logprobs": logprobs, "stats": generator.stats(), "prefault_s": prefault_s}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

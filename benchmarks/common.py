@@ -44,6 +44,17 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_prefault_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-prefault", dest="prefault", action="store_false",
+                        help="leave our cache's pages to be mapped on their first write inside the timing "
+                             "(default: PagedCache.prefault() before it, as vLLM zeroes its KV cache at start)")
+
+
+def prefaulted(cache: Any, args: argparse.Namespace) -> float:
+    """cache.prefault() unless --no-prefault; the seconds it took (0.0 when skipped), untimed."""
+    return cache.prefault() if getattr(args, "prefault", True) else 0.0
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:

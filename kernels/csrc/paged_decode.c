@@ -72,17 +72,33 @@ typedef struct {
     int64_t base;
 } Window;
 
-/* rows[p] = head h of positions p0 .. p0 + n - 1 through the page table or the window (see
- * load_head). Returns n. */
-static inline int load_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages,
-                            int S, int p0, int n, int h, int D, int W, float *buf, const float **rows,
-                            const Window *win) {
-    for (int p = 0; p < n; p++) {
-        const int pos = p0 + p;
-        rows[p] = pos >= win->start
-            ? load_head(win->store, NULL, win->kind, G, win->base + pos - win->start, h, D, W, buf + (int64_t)p * D)
-            : load_head(cache, scales, kind, G, (int64_t)pages[pos / S] * S + pos % S, h, D, W, buf + (int64_t)p * D);
+/* The rows of positions p0 .. p0 + n - 1, for every head: slot[p] their cache slot (page * S +
+ * offset, walking the page table without a division per position) or, for positions in the
+ * window, their row of the window store; returns how many precede the window (those read the
+ * cache). One walk per block serves every head and both the prefetches and the loads: a division
+ * and a table read per position and head cost more than the FMAs at these head sizes. */
+static inline int block_slots(const int32_t *pages, int S, int p0, int n, const Window *win, int64_t *slot) {
+    const int in_cache = win->start - p0 >= n ? n : win->start - p0 > 0 ? win->start - p0 : 0;
+    int page = p0 / S, off = p0 - page * S;
+    for (int p = 0; p < in_cache; p++) {
+        slot[p] = (int64_t)pages[page] * S + off;
+        if (++off == S) { off = 0; page++; }
     }
+    for (int p = in_cache; p < n; p++) slot[p] = win->base + p0 + p - win->start;
+    return in_cache;
+}
+
+/* rows[p] = head h of the block's positions (see block_slots and load_head). Returns n. */
+static inline int load_rows(const void *cache, const uint16_t *scales, int kind, int G, const int64_t *slot,
+                            int in_cache, int n, int h, int D, int W, float *buf, const float **rows,
+                            const Window *win) {
+    if (kind == KIND_F32)
+        for (int p = 0; p < in_cache; p++) rows[p] = (const float *)cache + slot[p] * W + (int64_t)h * D;
+    else
+        for (int p = 0; p < in_cache; p++)
+            rows[p] = load_head(cache, scales, kind, G, slot[p], h, D, W, buf + (int64_t)p * D);
+    for (int p = in_cache; p < n; p++)
+        rows[p] = load_head(win->store, NULL, win->kind, G, slot[p], h, D, W, buf + (int64_t)p * D);
     return n;
 }
 
@@ -191,14 +207,12 @@ static float softmax_weights(float *sh, int L, float scale) {
 }
 
 #define PFD 16                     /* keys prefetched this many positions ahead */
-/* Prefetch every line of the float32 slots of positions [p0, p0 + n) (clipped to the paged part):
- * a sequence's slots are contiguous within a page, but the hardware prefetchers lose the stream at
- * each 4 KB boundary. Interleaved A/B (32 rows x 200 positions, 30 layers, 2 threads): 1.2-1.3x
- * over none. */
-static inline void prefetch_slots(const void *cache, const int32_t *pages, int S, int W, int p0, int n, int L, int end) {
-    if (end < L) L = end;
-    for (int pos = p0; pos < p0 + n && pos < L; pos++) {
-        const char *s = (const char *)((const float *)cache + ((int64_t)pages[pos / S] * S + pos % S) * W);
+/* Prefetch every line of the float32 slots slot[0 .. n): a sequence's slots are contiguous within
+ * a page, but the hardware prefetchers lose the stream at each 4 KB boundary. Interleaved A/B
+ * (32 rows x 200 positions, 30 layers, 2 threads, AVX2): 1.2-1.3x over none. */
+static inline void prefetch_rows(const void *cache, const int64_t *slot, int n, int W) {
+    for (int p = 0; p < n; p++) {
+        const char *s = (const char *)((const float *)cache + slot[p] * W);
         for (int b = 0; b < W * 4; b += 64) __builtin_prefetch(s + b, 0, 3);
     }
 }
@@ -225,11 +239,15 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     wv.store = a->wv;
     /* Positions outer, KV heads inner: a block of slots is read whole, in memory order (a slot
      * holds every head), instead of one head's slice per pass over the context. */
+    int64_t slot[VBLOCK], ahead[VBLOCK];
     for (int p0 = 0; p0 < L; p0 += BLOCK) {
-        if (a->k_kind == KIND_F32) prefetch_slots(a->k, pages, S, W, p0 + PFD, BLOCK, L, wk.start);
+        const int n = L - p0 < BLOCK ? L - p0 : BLOCK, in_cache = block_slots(pages, S, p0, n, &wk, slot);
+        if (a->k_kind == KIND_F32 && p0 + PFD < L) {
+            const int m = L - p0 - PFD < BLOCK ? L - p0 - PFD : BLOCK;
+            prefetch_rows(a->k, ahead, block_slots(pages, S, p0 + PFD, m, &wk, ahead), W);
+        }
         for (int h = 0; h < Hkv; h++) {
-            const int n = load_rows(a->k, a->k_scale, a->k_kind, a->G, pages, S, p0, L - p0 < BLOCK ? L - p0 : BLOCK,
-                                    h, D, W, rowbuf, rows, &wk);
+            load_rows(a->k, a->k_scale, a->k_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wk);
             for (int g = 0; g < Gq; g++) {
                 const int hq = h * Gq + g;
                 dots(q + (int64_t)hq * D, rows, n, D, scores + hq * lmax + p0);
@@ -240,15 +258,22 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, L, a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
-    if (a->v_kind == KIND_F32) prefetch_slots(a->v, pages, S, W, 0, VBLOCK, L, wv.start);
+    int ahead_n = 0;                                /* slots of the next block held in `ahead` */
+    if (a->v_kind == KIND_F32)
+        prefetch_rows(a->v, slot, block_slots(pages, S, 0, L < VBLOCK ? L : VBLOCK, &wv, slot), W);
     for (int p0 = 0; p0 < L; p0 += VBLOCK) {
+        const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK, in_cache = block_slots(pages, S, p0, n, &wv, slot);
+        if (a->v_kind == KIND_F32 && p0 + VBLOCK < L) {
+            const int m = L - p0 - VBLOCK < VBLOCK ? L - p0 - VBLOCK : VBLOCK;
+            ahead_n = block_slots(pages, S, p0 + VBLOCK, m, &wv, ahead);
+        } else {
+            ahead_n = 0;
+        }
+        const int share = (VBLOCK + Hkv - 1) / Hkv;
         for (int h = 0; h < Hkv; h++) {
-            if (a->v_kind == KIND_F32) {          /* the next block, a share before each head's pass */
-                const int share = (VBLOCK + Hkv - 1) / Hkv;
-                prefetch_slots(a->v, pages, S, W, p0 + VBLOCK + h * share, share, L, wv.start);
-            }
-            const int n = load_rows(a->v, a->v_scale, a->v_kind, a->G, pages, S, p0, L - p0 < VBLOCK ? L - p0 : VBLOCK,
-                                    h, D, W, rowbuf, rows, &wv);
+            if (ahead_n > h * share)                /* the next block, a share before each head's pass */
+                prefetch_rows(a->v, ahead + h * share, ahead_n - h * share < share ? ahead_n - h * share : share, W);
+            load_rows(a->v, a->v_scale, a->v_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wv);
             for (int g = 0; g < Gq; g++) {
                 const int hq = h * Gq + g;
                 axpys(acc + (int64_t)hq * D, scores + hq * lmax + p0, rows, n, D);
