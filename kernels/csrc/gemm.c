@@ -373,8 +373,8 @@ static void run_part(void *ctx, int tid, int nth) {
 #define ZSTORE(r, p) if (R > r && P > p) _mm512_storeu_ps(carry + (r * P + p) * PW, c##r##p);
 
 /* Rows x0.. (stride ldx) by panels bp, bp + ps, .. (bp at the block's first k) over kn steps
- * from k0; carry [R][P * 16] as in ktile. The first pf_n steps prefetch one line of each of the
- * P panels at pf (the next slice). */
+ * from k0; carry [R][P * 16] as in ktile. Prefetches the first pf_n lines of each of the P panels
+ * at pf (the next slice), spread over the steps. */
 static inline __attribute__((always_inline)) void ztile(const int R, const int P, const float *x0, int64_t ldx,
                                                        const float *bp, int64_t ps, int k0, int kn, float *carry,
                                                        int first, const float *pf, int pf_n) {
@@ -383,10 +383,14 @@ static inline __attribute__((always_inline)) void ztile(const int R, const int P
                 *x7 = R > 7 ? x6 + ldx : x6;
     ZEACH(ZDECL)
     if (!first) { ZEACH(ZLOAD) }
-    const int ke = k0 + kn, kp = k0 + (pf_n < kn ? pf_n : kn);
-    int k = k0;
-    for (; k < kp; k++, bp += PW, pf += PW) {
-        for (int p = 0; p < P; p++) _mm_prefetch((const char *)(pf + p * ps), _MM_HINT_T0);
+    /* the pf_n x P lines to prefetch, spread evenly over the kn steps (line j: row j / P of panel
+     * j % P): issued P at a time in the first steps, they filled the line-fill buffers in bursts
+     * and stalled the FMAs, so streaming the weights and computing on them did not overlap */
+    const int ke = k0 + kn, nl = pf_n * P, per_step = kn > 0 ? (nl + kn - 1) / kn : 0;
+    int k = k0, j = 0;
+    for (; j < nl && k < ke; k++, bp += PW) {
+        for (int i = 0; i < per_step && j < nl; i++, j++)
+            _mm_prefetch((const char *)(pf + (j % P) * ps + (j / P) * PW), _MM_HINT_T0);
         ZSTEP
     }
     _Pragma("GCC unroll 4") for (; k < ke; k++, bp += PW) { ZSTEP }
