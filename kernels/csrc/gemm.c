@@ -118,6 +118,9 @@ static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *a
     for (int r = 0; r < R; r++) {
         const float *a = acc + r * P * PW;
         float *y = g->y + (int64_t)(i0 + r) * g->N + c0;
+        /* the same columns R rows on (the next tile's): their lines arrive while these are stored,
+         * instead of each store waiting for its line (in a prefill call y is tens of MB) */
+        for (int j = 0; j < cols; j += 16) _mm_prefetch((const char *)(y + (int64_t)R * g->N + j), _MM_HINT_T0);
         const float *res = g->residual ? g->residual + (int64_t)(i0 + r) * g->N + c0 : 0;
         const float *b = g->bias ? g->bias + c0 : 0;
         int j = 0;
