@@ -9,3 +9,7 @@ import os as _os
 SET_ENV: dict[str, str] = {}          # what this import set (benchmarks take it away from peer processes)
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = SET_ENV["GOMP_SPINCOUNT"] = "10000"
+
+from . import malloc_tuning as _malloc_tuning  # noqa: E402  (freed activations stay mapped: see the module)
+
+_malloc_tuning.apply()
