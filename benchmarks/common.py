@@ -52,7 +52,7 @@ def add_prefault_arg(parser: argparse.ArgumentParser) -> None:
 
 def prefaulted(cache: Any, args: argparse.Namespace) -> float:
     """cache.prefault() unless --no-prefault; the seconds it took (0.0 when skipped), untimed."""
-    return cache.prefault() if getattr(args, "prefault", True) else 0.0
+    return cache.prefault() if args.prefault else 0.0
 
 
 def positive_int(text: str) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import sys
 from typing import Optional, Sequence
@@ -43,7 +44,11 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device = torch
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not enabled():
         return torch.empty(tuple(shape), dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # its own anonymous mapping, never touched: memory from malloc may be heap that earlier tensors
+    # already faulted in on 4 KiB pages (kernels/malloc_tuning.py keeps freed heap), which the advice
+    # does not convert; the tensor keeps the mapping alive, and it is unmapped with the tensor
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                           dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     region = raw[start:start + nbytes]
     _madvise(region.data_ptr(), nbytes)              # advice only: where refused, 4 KiB pages as before

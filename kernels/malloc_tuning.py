@@ -3,9 +3,9 @@
 torch allocates CPU tensors with posix_memalign. glibc serves the large ones (a prefill chunk's
 activations are 2-25 MB) from fresh mmap'ed memory, or trims the heap top back to the OS after a
 free, so the next forward writes into unmapped pages again: a 160-question MMLU-shaped run took
-~200,000 page faults inside its timing. Two mallopt settings stop that: every allocation under
+~250,000 page faults inside its timing. Two mallopt settings stop that: every allocation under
 32 MiB (glibc's largest mmap threshold) comes from the heap, and the heap is trimmed only when over
-1 GiB of its top is free. Measured on the Intel Xeon machine: 201,351 -> 26,834 faults per run.
+1 GiB of its top is free. Measured on the Intel Xeon machine: 250,748 -> 14,148 faults per run.
 
 Applied once, when `kernels` is imported. A user's own malloc settings (GLIBC_TUNABLES with malloc
 keys, or the MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ variables) win; EVALRUN_MALLOC_TUNING=0

@@ -464,7 +464,8 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
     /* below ~64k multiply-adds a second thread costs more than it saves */
     if ((int64_t)M * N * K < 65536) nth = 1;
     /* one or two rows stream the weights from memory: one long range per thread keeps each stream
-     * whole (ranges of a sixteenth made a 1-row call 1.25x slower here); more rows claim smaller ones */
+     * whole (ranges of a sixteenth made a 1-row call 1.25x slower here); more rows claim smaller ones,
+     * calls of LARGE_M rows or more fewer (each range re-reads x) */
     if (nth > 1) g.chunks = M <= 2 ? nth : nth * (M >= LARGE_M ? GEMM_CHUNKS_LARGE : GEMM_CHUNKS);
 #if GEMM_Z
     if (gemm_width() == 512) return evalrun_pool_run(run_part_z, &g, nth);

@@ -258,16 +258,14 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, L, a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
-    int ahead_n = 0;                                /* slots of the next block held in `ahead` */
     if (a->v_kind == KIND_F32)
         prefetch_rows(a->v, slot, block_slots(pages, S, 0, L < VBLOCK ? L : VBLOCK, &wv, slot), W);
     for (int p0 = 0; p0 < L; p0 += VBLOCK) {
         const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK, in_cache = block_slots(pages, S, p0, n, &wv, slot);
+        int ahead_n = 0;                            /* slots of the next block held in `ahead` */
         if (a->v_kind == KIND_F32 && p0 + VBLOCK < L) {
             const int m = L - p0 - VBLOCK < VBLOCK ? L - p0 - VBLOCK : VBLOCK;
             ahead_n = block_slots(pages, S, p0 + VBLOCK, m, &wv, ahead);
-        } else {
-            ahead_n = 0;
         }
         const int share = (VBLOCK + Hkv - 1) / Hkv;
         for (int h = 0; h < Hkv; h++) {
