@@ -102,11 +102,11 @@ def load_ours(args: Any, model_dir: Path, tokenizer: Tokenizer) -> Model:
 
 
 def run_ours(args: Any, model: Model, tokenizer: Tokenizer, questions: list[Question],
-             choice_ids: list[int]) -> dict[str, Any]:
+             choice_ids: list[int], max_batch_size: Optional[int] = None) -> dict[str, Any]:
     """One timed run on a fresh cache (nothing cached from an earlier round)."""
     cache = PagedCache(model, max_tokens=args.cache_tokens, page_size=args.page_size, mode=CACHE_MODE[args.dtype])
     prefault_s = prefaulted(cache, args)
-    generator = DynamicGenerator(model, cache, tokenizer)
+    generator = DynamicGenerator(model, cache, tokenizer, max_batch_size=max_batch_size)
     logprobs = torch.full((len(questions), 4), float("nan"))
     with timed() as t:
         generator.enqueue([DynamicJob(q.ids, max_new_tokens=1, return_logits=True, identifier=i)

@@ -4,6 +4,14 @@
     dtype   auto -> bfloat16 on CUDA, or on a CPU with AVX512-BF16 or AMX-BF16
                  -> float32 elsewhere    (bf16 matmuls are emulated there, ~6x slower)
     cache   auto -> the storage of the compute dtype (bf16 / fp16 / fp32)
+    deterministic (batch-invariant linears, kernels/linear.py)
+            auto -> on  for float32 (the fast linears are batch-invariant already: no cost), and
+                        for bf16/fp16 on a CPU without native bf16 (its matmuls are emulated; the
+                        invariant float32-accumulating GEMM is faster)
+                 -> off on a CPU with AVX512-BF16/AMX-BF16 at bf16/fp16 (oneDNN's native bf16
+                        matmuls are several times the float32 GEMM's speed), on CUDA (the Triton
+                        invariant linears' cost against cuBLAS is not measured yet), and where the
+                        invariant linears cannot run (no native GEMM; no triton)
 
 Pure functions of a `HostFacts` record, so every case is testable on any machine;
 `host_facts()` reads the real host. Nothing here loads a model.
@@ -79,6 +87,33 @@ def choose_dtype(requested: str, device: str, facts: HostFacts) -> Choice:
     why = ("the CPU flags could not be read" if facts.cpu_flags is None
            else "the CPU has no AVX512-BF16 or AMX-BF16: bf16 matmuls would be emulated, ~6x slower")
     return Choice(AUTO, "float32", why)
+
+
+def choose_deterministic(requested: str, device: str, dtype: str, facts: HostFacts,
+                         unavailable: Optional[str]) -> Choice:
+    """on/off. unavailable: why batch-invariant linears cannot run here (None: they can)."""
+    if requested not in (AUTO, "on", "off"):
+        raise SettingError(f"--deterministic must be auto, on or off, got {requested!r}")
+    if requested == "off":
+        return Choice(requested, "off", "as given")
+    if unavailable is not None:
+        if requested == "on":
+            raise SettingError(f"--deterministic on: {unavailable}; use --deterministic off")
+        return Choice(AUTO, "off", f"{unavailable}: results may change with the batch")
+    if requested == "on":
+        return Choice(requested, "on", "as given")
+    if device.startswith("cuda"):
+        return Choice(AUTO, "off", "on CUDA the batch-invariant Triton linears' cost against cuBLAS is not measured "
+                                   "yet; pass --deterministic on for results that do not change with the batch")
+    if dtype == "float32":
+        return Choice(AUTO, "on", "float32 linears are batch-invariant at no cost")
+    native = [f for f in CPU_BF16_FLAGS if f in (facts.cpu_flags or frozenset())]
+    if native:
+        return Choice(AUTO, "off", f"the CPU has {'/'.join(native)}: its native {dtype} matmuls are several times "
+                                   "faster than the batch-invariant float32-accumulating GEMM; pass "
+                                   "--deterministic on for results that do not change with the batch")
+    return Choice(AUTO, "on", f"{dtype} matmuls are emulated on this CPU: the batch-invariant float32-accumulating "
+                              "GEMM is faster")
 
 
 def choose_cache_mode(requested: str, dtype: str, modes: tuple[str, ...]) -> Choice:

@@ -44,7 +44,7 @@ def truncated_model(model: Model, num_layers: int) -> Model:
         raise ValueError(f"a truncated draft keeps 1 to {model.config.num_layers} layers, got {num_layers!r}")
     cfg = dataclasses.replace(model.config, num_layers=num_layers)
     return Model(cfg, model.embed, model.layers[:num_layers], model.final_norm, model.lm_head, model.dtype,
-                 model.device, model.kernels)
+                 model.device, model.kernels, model.deterministic)
 
 
 @dataclass

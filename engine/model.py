@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from kernels.attention import AttentionMetadata
 from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
 from kernels.decode_step import DecodeStep, LayerParts
-from kernels.linear import Linear, linear, linear_backend, make_linear
+from kernels.linear import Linear, linear, linear_backend
+from kernels.linear import make_linear as _make_linear
 
 from .config import ModelConfig
 from .rope import rope_inv_freq, rope_table
@@ -26,16 +27,20 @@ from .weights import WeightReader
 
 if TYPE_CHECKING:
     from .cache import PagedCache
+    from .cuda_graphs import DecodeGraphs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kernel_backends(device: str, dtype: str, cache_mode: str) -> dict[str, str]:
+def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False) -> dict[str, str]:
     """Which kernels a model with these settings runs (recorded in run manifests)."""
     from .cache import CACHE_MODES
-    kernels = choose_kernels(device)
-    return {"linear": linear_backend(device, DTYPES[dtype]), "backend": kernels.name,
-            **kernels.describe(CACHE_MODES[cache_mode])}
+    kernels = choose_kernels(device, deterministic)
+    if deterministic:            # the batch-invariant linears (kernels/linear.py); the manifest says deterministic
+        lin = "triton-linear" if torch.device(device).type == "cuda" else "native-gemm"
+    else:
+        lin = linear_backend(device, DTYPES[dtype])
+    return {"linear": lin, "backend": kernels.name, **kernels.describe(CACHE_MODES[cache_mode])}
 
 
 @dataclass
@@ -60,9 +65,10 @@ class LayerWeights:
 class Model:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device,
-                 kernels: Optional[TorchKernels] = None):
+                 kernels: Optional[TorchKernels] = None, deterministic: bool = False, cuda_graphs: bool = False):
         self.config = config
-        self.kernels = kernels or choose_kernels(device)   # every cache op goes through this backend
+        self.deterministic = deterministic     # batch-invariant linears (kernels/linear.py), any dtype
+        self.kernels = kernels or choose_kernels(device, deterministic)   # every cache op goes through this
         self.dtype = dtype
         self.device = device
         self.embed = embed
@@ -73,13 +79,23 @@ class Model:
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         self._steps: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeStep]]" = weakref.WeakKeyDictionary()
+        # decode steps as CUDA graphs (engine/cuda_graphs.py), per cache; graph_capture: how a
+        # bucket is recorded (None: a real CUDA graph; tests set a stand-in)
+        self.cuda_graphs = cuda_graphs
+        self.graph_capture = None
+        self._graphs: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeGraphs]]" = weakref.WeakKeyDictionary()
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu",
-             kernels: Optional[TorchKernels] = None) -> "Model":
+             kernels: Optional[TorchKernels] = None, deterministic: bool = False,
+             cuda_graphs: bool = True) -> "Model":
         """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
         dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (engine/auto.py).
-        kernels: the cache-op backend (default: chosen for the device, kernels.backend)."""
+        kernels: the cache-op backend (default: chosen for the device, kernels.backend).
+        deterministic: batch-invariant linears in every dtype, so a row's logits do not depend on
+        what else is in its batch (ValueError where they cannot run: kernels.linear).
+        cuda_graphs: on CUDA with the Triton kernels, pure decode steps replay CUDA graphs
+        (engine/cuda_graphs.py); False runs every step eagerly."""
         if dtype == "auto":
             from .auto import choose_dtype, host_facts
             dtype = choose_dtype("auto", device, host_facts()).value
@@ -87,10 +103,17 @@ class Model:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if deterministic:
+            from kernels.linear import invariant_unavailable_reason
+            reason = invariant_unavailable_reason(device)
+            if reason is not None:
+                raise ValueError(f"deterministic mode: {reason}")
         model_dir = Path(model_dir)
         config = ModelConfig.load(model_dir)
         reader = WeightReader(model_dir, DTYPES[dtype], torch.device(device))
-        return _build(config, reader, DTYPES[dtype], torch.device(device), kernels)
+        model = _build(config, reader, DTYPES[dtype], torch.device(device), kernels, deterministic)
+        model.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        return model
 
     @property
     def max_seq_len(self) -> int:
@@ -99,6 +122,21 @@ class Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
         """Returns float32 logits [N, vocab] for batch.logits_indices."""
+        graphs = self._decode_graphs(cache) if self.cuda_graphs else None
+        if graphs is not None and graphs.applies(batch):
+            return graphs.run(batch)
+        return self.eager_forward(batch, cache)
+
+    def _decode_graphs(self, cache: "PagedCache") -> "Optional[DecodeGraphs]":
+        if cache not in self._graphs:
+            from .cuda_graphs import DecodeGraphs
+            self._graphs[cache] = (DecodeGraphs(self, cache, self.graph_capture)
+                                   if DecodeGraphs.supports(self, cache) else None)
+        return self._graphs[cache]
+
+    @torch.inference_mode()
+    def eager_forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
+        """forward without CUDA graphs."""
         cfg = self.config
         x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
         cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
@@ -153,8 +191,12 @@ class Model:
 
 
 def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device,
-           kernels: Optional[TorchKernels]) -> Model:
+           kernels: Optional[TorchKernels], deterministic: bool = False) -> Model:
     h, d = cfg.hidden_size, cfg.head_dim
+
+    def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Linear:
+        return _make_linear(weight, bias, invariant=deterministic)
+
     q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
     layers = []
     for i in range(cfg.num_layers):
@@ -181,4 +223,4 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
     final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
-    return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device, kernels)
+    return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device, kernels, deterministic)

@@ -1,4 +1,8 @@
-"""Reading Hugging Face safetensors checkpoints (single file or sharded index)."""
+"""Reading Hugging Face safetensors checkpoints (single file or sharded index).
+
+Tensors are read one at a time as the model is built. On CUDA each shard is opened with
+safetensors' device argument, so a tensor goes from the file's mapping straight into device
+memory: no CPU copy of the weights is made, whole or per tensor."""
 from __future__ import annotations
 
 import json
@@ -37,10 +41,10 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     )
 
 
-def _open(path: Path):
+def _open(path: Path, device: str = "cpu"):
     """safe_open, with a truncated or corrupt file named in a WeightsError."""
     try:
-        return safe_open(str(path), framework="pt")
+        return safe_open(str(path), framework="pt", device=device)
     except (SafetensorError, OSError) as exc:
         raise WeightsError(f"{path}: not a readable safetensors file ({exc}); it may be truncated or corrupt: "
                            "copy or download it again") from None
@@ -63,7 +67,7 @@ class WeightReader:
             raise WeightsError(f"weights lack tensor {name!r} (checked {len(self.files)} tensors)")
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = _open(path)
+            self._handles[path] = _open(path, str(self.device) if self.device.type == "cuda" else "cpu")
         try:
             tensor = self._handles[path].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as exc:

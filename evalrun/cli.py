@@ -126,6 +126,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "(fp16, one block per running job) and only older ones through the codes; 0 turns it "
                         "off (the plain ExLlamaV2 scheme). Must divide --page-size (default: 128, or its greatest "
                         "common divisor with the page size; a resumed run keeps its stored window)")
+    p.add_argument("--deterministic", default="auto", choices=["auto", "on", "off"],
+                   help="batch-invariant linears, so a question's log-probabilities are bitwise the same whatever "
+                        "else is in its batch (--max-batch-size, a resumed run, another shard); part of the run's "
+                        "identity (default: auto: on where it costs nothing or saves time: float32, bf16 on a CPU without "
+                        "native bf16; off where native bf16 matmuls are much faster, AVX512-BF16/AMX CPUs, on CUDA "
+                        "until its cost is measured, or where it cannot run; a resumed run keeps its stored setting)")
+    p.add_argument("--eager", action="store_true",
+                   help="CUDA: run every decode step eagerly instead of replaying CUDA graphs (default: graphs for "
+                        "pure decode steps, one per batch-size bucket)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per cache page (default: 256)")
     p.add_argument("--max-batch-size", "--batch-size", "--batch_size", dest="max_batch_size", type=_batch_size,
                    help="most jobs running at once; lm-eval's --batch_size is accepted, 'auto' included "

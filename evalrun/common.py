@@ -53,7 +53,12 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
     from engine import Model, Tokenizer
-    return Model.load(model_dir, dtype=cfg.dtype, device=cfg.device), Tokenizer.load(model_dir)
+    try:
+        model = Model.load(model_dir, dtype=cfg.dtype, device=cfg.device, deterministic=cfg.deterministic,
+                           cuda_graphs=cfg.cuda_graphs)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
+    return model, Tokenizer.load(model_dir)
 
 
 def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
@@ -63,7 +68,8 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
                            max_memory=cfg.cache_memory, max_jobs=cfg.max_batch_size, window=cfg.cache_window)
         draft = draft_cache = None
         if cfg.draft_model is not None:
-            draft = Model.load(resolve_model_dir(cfg.draft_model), dtype=cfg.dtype, device=cfg.device)
+            draft = Model.load(resolve_model_dir(cfg.draft_model), dtype=cfg.dtype, device=cfg.device,
+                               deterministic=cfg.deterministic)
             draft_cache = PagedCache(draft, max_tokens=cache.max_tokens, page_size=cfg.page_size, mode=cache.format,
                                      max_jobs=cache.window_slots or None)
         return DynamicGenerator(model, cache, tokenizer, max_batch_size=cfg.max_batch_size,
@@ -79,6 +85,8 @@ def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
     from engine.cache import resolve_format
     out = {"model_fingerprint": fp["model_fingerprint"], "tokenizer_fingerprint": fp["tokenizer_fingerprint"],
            "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode}
+    if cfg.deterministic:                    # absent when off: runs from before the setting resume as off
+        out["deterministic"] = True
     try:
         window = resolve_format(cfg.cache_mode, cfg.page_size, cfg.cache_window).window
     except ValueError as exc:
@@ -136,7 +144,8 @@ def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, An
             "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
             "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, model_dir),
             "speculative": cfg.speculative_record(),
-            "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode)}
+            "deterministic": cfg.deterministic, "cuda_graphs": cfg.cuda_graphs,
+            "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode, cfg.deterministic)}
 
 
 def clean(obj: Any) -> Any:

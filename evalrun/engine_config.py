@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from engine.auto import AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_device, choose_dtype
+from engine.auto import (AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_deterministic,
+                         choose_device, choose_dtype)
 from evalrun.errors import BadInput
 
 
@@ -27,6 +28,8 @@ class EngineConfig:
     draft_model: Optional[str] = None            # speculative decoding: a draft model directory ...
     ngram_draft: bool = False                    # ... or n-gram lookup in each job's own tokens
     num_draft_tokens: int = 4
+    deterministic: bool = False                  # batch-invariant linears (--deterministic; part of the identity)
+    eager: bool = False                          # --eager: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         for name in ("cache_tokens", "cache_memory", "page_size", "max_chunk_size", "max_batch_size"):
@@ -43,6 +46,11 @@ class EngineConfig:
             raise BadInput("give either --draft-model or --ngram-draft, not both")
         if self.cache_tokens is not None and self.cache_tokens < self.page_size:
             raise BadInput(f"--cache-tokens ({self.cache_tokens}) must be at least --page-size ({self.page_size})")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Decode steps replayed as CUDA graphs (engine/cuda_graphs.py): on CUDA unless --eager."""
+        return self.device.startswith("cuda") and not self.eager
 
     def speculative_record(self) -> dict[str, Any]:
         """manifest["speculative"]: how (and whether) generation drafted tokens."""
@@ -61,7 +69,7 @@ class EngineConfig:
 
     def describe(self) -> str:
         """One line for the start of a run, e.g. "device cpu (auto: no CUDA device), dtype float32 (...)"."""
-        names = {"device": "device", "dtype": "dtype", "cache_mode": "KV cache"}
+        names = {"device": "device", "dtype": "dtype", "cache_mode": "KV cache", "deterministic": "deterministic"}
         return ", ".join(f"{names[n]} {c.value} ({'auto: ' if c.requested == AUTO else ''}{c.reason})"
                          for n, c in self.choices.items())
 
@@ -80,6 +88,7 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
         dtype = _choose("dtype", args.dtype, kept, run_dir, lambda r: choose_dtype(r, device.value, facts))
         cache = _choose("cache_mode", args.cache_mode, kept, run_dir,
                         lambda r: choose_cache_mode(r, dtype.value, tuple(CACHE_MODES)))
+        determ = _deterministic(getattr(args, "deterministic", AUTO), dtype.value, device.value, facts, stored, run_dir)
     except SettingError as exc:
         raise BadInput(str(exc)) from None
     tokens, memory = args.cache_tokens, getattr(args, "cache_memory", None)
@@ -88,9 +97,24 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
         window = kept.get("cache_window", 0)       # resume as stored (a run from before windows: 0)
     return EngineConfig(device.value, dtype.value, cache.value, tokens, memory, args.page_size,
                         args.max_batch_size, args.max_chunk_size, window,
-                        {"device": device, "dtype": dtype, "cache_mode": cache},
+                        {"device": device, "dtype": dtype, "cache_mode": cache, "deterministic": determ},
                         getattr(args, "draft_model", None), getattr(args, "ngram_draft", False),
-                        getattr(args, "num_draft_tokens", 4))
+                        getattr(args, "num_draft_tokens", 4), determ.value == "on", getattr(args, "eager", False))
+
+
+def _deterministic(requested: str, dtype: str, device: str, facts: HostFacts, stored: Optional[dict[str, Any]],
+                   run_dir: Path) -> Choice:
+    """--deterministic resolved; `auto` resumes a stored run as it was made (a run from before the
+    setting existed, whose identity lacks it: off)."""
+    from kernels.linear import invariant_unavailable_reason
+    unavailable = invariant_unavailable_reason(device)
+    if requested == AUTO and stored is not None:
+        kept = "on" if stored.get("identity", {}).get("deterministic") else "off"
+        if kept == "on" and unavailable is not None:
+            raise SettingError(f"the run in {run_dir} was made with --deterministic on, which this host cannot "
+                               f"resume ({unavailable}); resume it where that works, or start another --output-dir")
+        return Choice(AUTO, kept, f"as stored by the run in {run_dir}")
+    return choose_deterministic(requested, device, dtype, facts, unavailable)
 
 
 def _choose(name: str, requested: str, kept: dict[str, Any], run_dir: Path,

@@ -10,9 +10,16 @@ through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, th
 sequences of formats without a recent-token window through kernels/csrc/paged_prefill.c, quantize on
 write and the Hadamard rotations through kernels/csrc/kv_quant.c, the rest through the
 reference. `TritonKernels` (CUDA, when triton imports) runs decode attention for every
-format, prefill attention for formats without a recent-token window and K/V writes of the
-unquantized formats through kernels/triton_*.py, the rest through the reference; a call its
+format, prefill attention for formats without a recent-token window and K/V writes of every
+format (quantize on write included) and RMSNorm through kernels/triton_*.py, the rest through the
+reference; a call its
 kernels cannot take (CPU tensors, an unexpected layout) goes to the reference too.
+`FlashAttnKernels` (CUDA, when flash_attn also imports, outside deterministic mode) sends the
+attention of unquantized 16-bit caches whose page size is a multiple of 256 (flash-attn's paged-KV
+requirement) to `flash_attn_varlen_func` with the page table as its `block_table`, one call for the
+whole packed batch; everything else stays with the Triton kernels. flash-attn chooses its split of
+long contexts by the batch's size, so deterministic mode keeps the Triton kernels (fixed splits).
+Untested on a GPU: no machine here has flash-attn; its tests run against a stand-in module.
 """
 from __future__ import annotations
 
@@ -130,12 +137,20 @@ class TritonKernels(TorchKernels):
     name = "triton"
 
     def __init__(self) -> None:
-        from . import triton_attention, triton_cache_ops        # imports triton (slow): only when chosen
-        self._attn, self._write = triton_attention, triton_cache_ops
+        from . import triton_attention, triton_cache_ops, triton_linear    # imports triton (slow): only when chosen
+        self._attn, self._write, self._norm = triton_attention, triton_cache_ops, triton_linear
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """One program per row (kernels/triton_linear.py): the same bits whatever the batch."""
+        if self._norm.rms_norm_supported(x, w):
+            return self._norm.rms_norm_triton(x, w, eps)
+        return fused.rms_norm_reference(x, w, eps)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
         if self._write.supported(k, v, layer):
             self._write.write_kv_triton(k, v, layer, slot_mapping)
+        elif self._write.quant_supported(k, v, layer):
+            self._write.write_kv_quant_triton(k, v, layer, slot_mapping)
         else:
             write_kv_torch(k, v, layer, slot_mapping)
 
@@ -151,22 +166,72 @@ class TritonKernels(TorchKernels):
         return rotate(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
-        return {"kv_write": "torch" if fmt.quantized else "triton", "decode_attention": "triton",
-                "prefill_attention": "torch-sdpa" if fmt.window else "triton", "norm_act": "torch"}
+        return {"kv_write": "triton", "decode_attention": "triton",
+                "prefill_attention": "torch-sdpa" if fmt.window else "triton",
+                "norm_act": "triton rms_norm, torch silu"}
+
+
+class FlashAttnKernels(TritonKernels):
+    name = "flash-attn"
+    PAGE_MULTIPLE = 256
+
+    def __init__(self, flash_attn=None, require_cuda: bool = True) -> None:
+        """flash_attn: the module (default: imported); require_cuda=False lets tests run a stand-in on CPU."""
+        super().__init__()
+        if flash_attn is None:
+            import flash_attn
+        self._flash, self._require_cuda = flash_attn, require_cuda
+
+    def usable(self, q: torch.Tensor, layer: LayerKV) -> bool:
+        """An unquantized fp16/bf16 cache of q's dtype, pages a multiple of 256 slots, head size a
+        multiple of 8 up to 256, contiguous pages on q's (CUDA) device."""
+        fmt, k = layer.fmt, layer.k
+        return (not fmt.quantized and k.dtype == q.dtype and q.dtype in (torch.float16, torch.bfloat16)
+                and k.dim() == 4 and k.shape[1] % self.PAGE_MULTIPLE == 0 and q.dim() == 3
+                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and q.shape[1] % k.shape[2] == 0
+                and k.is_contiguous() and layer.v.is_contiguous() and k.device == q.device
+                and (q.is_cuda or not self._require_cuda))
+
+    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.usable(q, layer):
+            return super().attention(q, layer, meta, scale, k, v)
+        # causal with fewer queries than keys aligns the queries to the end of their context (query i
+        # of a sequence with q_len queries and L keys sits at position L - q_len + i), as the pages hold
+        return self._flash.flash_attn_varlen_func(
+            q, layer.k, layer.v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            softmax_scale=scale, causal=True, block_table=meta.page_table)
+
+    def describe(self, fmt: KVFormat) -> dict[str, str]:
+        out = super().describe(fmt)
+        if not fmt.quantized and fmt.dtype in (torch.float16, torch.bfloat16):
+            out["decode_attention"] = out["prefill_attention"] = \
+                f"flash-attn (pages a multiple of {self.PAGE_MULTIPLE}, else triton)"
+        return out
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def choose_kernels(device: "str | torch.device") -> TorchKernels:
-    """The backend for a device: native CPU kernels when the C kernel builds, Triton kernels
-    on CUDA when triton is installed, else the reference."""
+def choose_kernels(device: "str | torch.device", deterministic: bool = False) -> TorchKernels:
+    """The backend for a device: native CPU kernels when the C kernel builds; on CUDA flash-attn's
+    attention when flash_attn imports (not in deterministic mode) over Triton kernels when triton
+    is installed; else the reference."""
     kind = torch.device(device).type
     if kind == "cpu" and paged_decode.available():
         return NativeCpuKernels()
     if kind == "cuda" and triton_available():
         try:
+            if flash_attn_available() and not deterministic:
+                try:
+                    return FlashAttnKernels()
+                except ImportError as e:
+                    log.warning("flash_attn did not import (%s): CUDA attention runs the Triton kernels", e)
             return TritonKernels()
         except ImportError as e:         # a broken triton install: the reference still gives the answers
             log.warning("triton did not import (%s): CUDA cache ops run the torch reference", e)

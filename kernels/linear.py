@@ -16,6 +16,15 @@ Layouts:
                     x @ w^T in MKL below 64 rows)
 `EVALRUN_LINEAR=native|onednn|torch` asks for one (benchmarks compare them); a path that cannot
 run here falls back to the next with a logged reason.
+
+Batch-invariant linears (`make_linear(..., invariant=True)`, the engine's deterministic mode): the
+native GEMM for every CPU dtype, whatever EVALRUN_LINEAR says. A bfloat16/float16 weight is
+widened to float32 panels (exact), the rows are widened (exact), each output is one float32 FMA
+chain over k in order (a product of two bf16 values is exact in float32, so this is bf16 inputs
+with float32 accumulation, as tensor cores do), and the result is rounded to the rows' dtype
+once. No output depends on the other rows of the call, unlike oneDNN's or MKL's bf16 matmuls,
+whose blocking changes with the number of rows. On CUDA the same contract is met by
+kernels/triton_linear.py (one fixed Triton tile shape, float32 accumulation) instead of cuBLAS.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ class Linear:
     bias: Optional[torch.Tensor] = None     # [out]
     packed: Optional[torch.Tensor] = None   # oneDNN layout of weight (CPU float32), or None
     panels: Optional[torch.Tensor] = None   # the native GEMM's layout of weight (CPU float32), or None
+    invariant: bool = False                 # batch-invariant (deterministic mode): panels on CPU, Triton on CUDA
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,9 +95,30 @@ def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
     return "torch"
 
 
-def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True) -> Linear:
-    """A Linear; on CPU in float32 (and `pack`), with the weight prepacked for the backend."""
+def invariant_unavailable_reason(device: str | torch.device) -> Optional[str]:
+    """Why batch-invariant linears cannot run on `device`, or None when they can."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        import importlib.util
+        return None if importlib.util.find_spec("triton") else "batch-invariant CUDA linears need triton"
+    if kind != "cpu":
+        return f"batch-invariant linears are built for the CPU and CUDA, not {kind}"
+    reason = gemm.unavailable_reason()
+    return None if reason is None else f"batch-invariant linears need the native GEMM: {reason}"
+
+
+def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True,
+                invariant: bool = False) -> Linear:
+    """A Linear; on CPU in float32 (and `pack`), with the weight prepacked for the backend.
+    invariant: the native GEMM's float32 panels for any dtype (ValueError where it cannot run)."""
     packed = panels = None
+    if invariant:
+        reason = invariant_unavailable_reason(weight.device)
+        if reason is not None:
+            raise ValueError(reason)
+        if weight.device.type == "cuda":
+            return Linear(weight.contiguous(), bias, invariant=True)
+        return Linear(weight, bias, None, gemm.pack(weight.float()), invariant=True)
     backend = linear_backend(weight.device, weight.dtype) if pack else "torch"
     if backend == "native-gemm":
         panels = gemm.pack(weight)
@@ -104,8 +135,16 @@ def linear_reference(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tens
 def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w^T (+ b) (+ residual). Dispatch: the native GEMM on its panels (bias and residual
     added as each output is stored), oneDNN on a packed weight (the residual add fused as a
-    post-op), else (w @ x^T)^T for few CPU rows, else F.linear."""
-    if lin.panels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+    post-op), else (w @ x^T)^T for few CPU rows, else F.linear; a batch-invariant Linear on CUDA
+    through kernels/triton_linear.py."""
+    if lin.invariant and x.device.type == "cuda":
+        from . import triton_linear                   # imports triton: only on this path
+        y = triton_linear.linear_triton(x.reshape(-1, x.shape[-1]).contiguous(), lin.weight, lin.bias)
+        return y if residual is None else residual + y
+    if lin.panels is not None and x.device.type == "cpu":
+        if x.dtype != torch.float32:            # invariant low-precision linear: float32 chains, one rounding
+            y = gemm.gemm(x.float(), lin.panels, lin.weight.shape[0], lin.bias).to(x.dtype)
+            return y if residual is None else residual + y
         if residual is not None and residual.dtype != torch.float32:
             return residual + gemm.gemm(x, lin.panels, lin.weight.shape[0], lin.bias)
         return gemm.gemm(x, lin.panels, lin.weight.shape[0], lin.bias, residual)

@@ -100,6 +100,8 @@ class Manifest(TypedDict, total=False):
     cache_window_bytes_per_job: int  # the window store of one job over all layers (fp16 K and V)
     cache_format: str  # e.g. "q4: 4-bit K, 4-bit V, one fp16 scale per 32 values, 32-point Hadamard rotation"
     kernels: dict[str, str]  # {"linear", "backend", "kv_write", "decode_attention", "prefill_attention"}: what ran
+    deterministic: bool  # batch-invariant linears (--deterministic): a row's results do not depend on its batch
+    cuda_graphs: bool  # decode steps replayed as CUDA graphs (CUDA without --eager)
     speculative: dict[str, Any]  # {"drafts": None | "ngram" | "model", "num_draft_tokens", "draft_model": path}
     sandbox: dict[str, Any]  # humaneval: the isolation level in force and what it does not isolate
     n_samples: int  # humaneval: of the session that started the run

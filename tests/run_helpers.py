@@ -3,6 +3,10 @@ single-process one, row by row, but for the columns that belong to one process (
 PER_RUN_COLUMNS: run_id, cached_tokens, exec_time)."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -21,3 +25,15 @@ def assert_same_rows(got: Path, single: Path, keys: list[str]) -> pd.DataFrame:
     compared = sorted(set(b.columns) - set(PER_RUN_COLUMNS))
     pd.testing.assert_frame_equal(a[compared], b[compared], check_exact=True)
     return a
+
+
+def sigkill_after_parts(cmd: list[str], out: Path, parts: int = 3, timeout: float = 120.0) -> None:
+    """Start the run `cmd` (writing into `out`), SIGKILL it once `parts` result parts are on disk,
+    and check that it had not finished by then."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and len(list((out / "samples").glob("part-*.parquet"))) < parts:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "samples.parquet").exists(), "run finished before it could be killed"

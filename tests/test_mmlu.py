@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from evalrun.cli import main
+from run_helpers import sigkill_after_parts
 from tasks.mmlu import MMLUTask, build_prompt
 from tasks.mmlu_data import MMLUDoc, load_mmlu
 
@@ -200,13 +201,7 @@ def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--no-progress", "--dtype", "float32", "--cache-mode",
            "fp32", *args, "--output-dir", str(out), "--flush-rows", "3", "--max-batch-size", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(list((out / "samples").glob("part-*.parquet"))) < 3:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "samples.parquet").exists(), "run finished before it could be killed"
+    sigkill_after_parts(cmd, out)
     assert _cli(*args, "--output-dir", str(out)) == 0
     cols = ["subject", "doc_id", "prompt_hash", "prediction", "target", "correct"]
     a, b = _samples(full), _samples(out)

@@ -2,11 +2,11 @@
 kernels/cache_ops.py), for every KV cache format they claim, over page sizes, GQA ratios,
 ragged lengths and NaN-poisoned unused slots.
 
-Without a GPU the kernels run under Triton's interpreter on CPU tensors: TRITON_INTERPRET=1
-is set below before triton is imported (triton.jit reads it when a kernel is defined,
-triton.language's own helpers included). With a GPU they run compiled on it, and
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is
+set by tests/triton_setup.py before triton is imported). With a GPU they run compiled on it, and
 benchmarks/gpu_check.py runs this file a second time with TRITON_INTERPRET=1. A last test
-compiles the kernels for sm_90 (Hopper) in a subprocess, which needs no GPU.
+compiles the kernels for sm_90 (Hopper) in a subprocess, which needs no GPU. Also here: the
+CUDA-graph decode runner with a stand-in capture, and the flash-attn backend against a stand-in.
 """
 from __future__ import annotations
 
@@ -19,38 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"       # before triton is imported: its own tl helpers are jit too
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0)")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+from triton_setup import DEVICE, INTERPRET, check_interpreting, interpreter_scalars  # noqa: F401,E402
 
-from kernels import triton_attention, triton_cache_ops, triton_interpreter  # noqa: E402  (after TRITON_INTERPRET)
+from kernels import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
 from kernels.attention import build_metadata, decode_torch  # noqa: E402
-from kernels.backend import TorchKernels, TritonKernels, choose_kernels  # noqa: E402
+from kernels.backend import FlashAttnKernels, TorchKernels, TritonKernels, choose_kernels  # noqa: E402
 from kernels.cache_ops import write_kv_torch  # noqa: E402
 from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format  # noqa: E402
 
-if triton_attention.interpreting() != INTERPRET or (INTERPRET and DEVICE.type == "cpu" and not
-                                                    triton_attention.interpreting()):
-    raise RuntimeError("triton was imported before this module could set TRITON_INTERPRET=1: run this "
-                       "file in its own process or with TRITON_INTERPRET=1 set")
+check_interpreting(triton_attention.interpreting())
 
 pytestmark = [pytest.mark.cuda] if DEVICE.type == "cuda" else []     # selected by gpu_check's -m cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
 FLOAT_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def interpreter_scalars():
-    """Triton 3.6's interpreter under numpy >= 2.4 needs kernels.triton_interpreter's workaround."""
-    if not INTERPRET:
-        yield
-        return
-    with triton_interpreter.interpreter_scalars():
-        yield
 
 
 def _case(fmt: KVFormat, hq: int, hkv: int, d: int, page_size: int, lens: list[int], q_lens: list[int],
@@ -207,27 +190,67 @@ def test_write_kv_matches_reference(mode, src_dtype):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+@pytest.mark.parametrize("mode", ["q8", "q6", "q4"])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64])
+def test_quantized_write_matches_reference(mode, src_dtype, d):
+    """Quantize on write: strided K/V views into junk pages; codes and scales bit for bit the
+    reference's (rotation, fp16 scale with its one-ulp bump, round half to even, 4-bit packing),
+    every other slot untouched. Rows include an all-zero group, evenly spaced values, an
+    outlier that saturates fp16's range and a NaN group (its scale NaN, its codes unspecified)."""
+    fmt, hkv, page_size, t = PAGE_FORMATS[mode], 2, 4, 9
+    g = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(t, (3 + 2 * hkv) * d, generator=g) * 3).to(src_dtype)
+    k = qkv[:, 3 * d: (3 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (3 + hkv) * d:].view(t, hkv, d)
+    k[0, 0, :32] = 0.0                                              # zero group: scale 0, codes offset
+    k[1, 1, :32] = torch.arange(32, dtype=torch.float32).to(src_dtype) - 15.5   # ties after scaling
+    v[2, 0, 5] = 1e6                                                # beyond fp16 * qmax: scale clips
+    v[3, 1, 32 % d] = float("nan")
+    k, v = k.to(DEVICE), v.to(DEVICE)
+    slots = torch.randperm(6 * page_size, generator=g)[:t].to(DEVICE)
+    layers = []
+    for _ in range(2):
+        layer = LayerKV.allocate(fmt, 7, page_size, hkv, d, DEVICE)
+        for x in layer.tensors():
+            x.fill_(3)                                               # junk codes and scales elsewhere
+        layers.append(layer)
+    assert triton_cache_ops.quant_supported(k, v, layers[0]) and not triton_cache_ops.supported(k, v, layers[0])
+    triton_cache_ops.write_kv_quant_triton(k, v, layers[0], slots)
+    write_kv_torch(k, v, layers[1], slots)
+    nan_slot = slots[3].item()
+    for name, a, b in zip(("k", "v", "k_scale", "v_scale"), layers[0].tensors(), layers[1].tensors()):
+        a, b = a.view(-1, *a.shape[2:]).clone(), b.view(-1, *b.shape[2:]).clone()
+        if name == "v_scale":
+            assert a[nan_slot, 1].isnan().any() and torch.equal(a.isnan(), b.isnan())
+        if name == "v":                                              # the NaN group's codes are unspecified
+            a[nan_slot, 1], b[nan_slot, 1] = 0, 0
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
+
+
 def test_backend_choice_describe_and_fallbacks():
     assert isinstance(choose_kernels("cuda"), TritonKernels)
     kernels = TritonKernels()
     assert kernels.describe(KV_FORMATS["bf16"]) == {"kv_write": "triton", "decode_attention": "triton",
-                                                    "prefill_attention": "triton", "norm_act": "torch"}
-    assert kernels.describe(KV_FORMATS["q4"]) == {"kv_write": "torch", "decode_attention": "triton",
-                                                  "prefill_attention": "torch-sdpa", "norm_act": "torch"}
+                                                    "prefill_attention": "triton", "norm_act": "triton rms_norm, torch silu"}
+    assert kernels.describe(KV_FORMATS["q4"]) == {"kv_write": "triton", "decode_attention": "triton",
+                                                  "prefill_attention": "torch-sdpa", "norm_act": "triton rms_norm, torch silu"}
     # a layout the kernels do not take goes to the reference, with the reference's answer
     layer, q, meta = _case(PAGE_FORMATS["fp32"], 4, 2, 32, 4, [6, 9], [1, 4], 0, torch.float64)
     assert not triton_attention.supported(q, layer)
     torch.testing.assert_close(kernels.attention(q, layer, meta, 0.2), TorchKernels().attention(q, layer, meta, 0.2))
     q4 = PAGE_FORMATS["q4"]
-    k = torch.randn(3, 2, 32, device=DEVICE)
-    qlayer = LayerKV.allocate(q4, 3, 4, 2, 32, DEVICE)
-    ref = LayerKV.allocate(q4, 3, 4, 2, 32, DEVICE)
-    for t in (*qlayer.tensors(), *ref.tensors()):     # real pages come unwritten: compare from alike
-        t.zero_()
-    assert not triton_cache_ops.supported(k, k, qlayer)
-    kernels.write_kv(k, k, qlayer, torch.tensor([0, 5, 2], device=DEVICE))
-    write_kv_torch(k, k, ref, torch.tensor([0, 5, 2], device=DEVICE))
-    assert all(torch.equal(a, b) for a, b in zip(qlayer.tensors(), ref.tensors()))
+    for d, triton_write in ((32, True), (96, False)):     # a head size not a power of two: the reference
+        k = torch.randn(3, 2, d, device=DEVICE)
+        qlayer = LayerKV.allocate(q4, 3, 4, 2, d, DEVICE)
+        ref = LayerKV.allocate(q4, 3, 4, 2, d, DEVICE)
+        for t in (*qlayer.tensors(), *ref.tensors()):     # real pages come unwritten: compare from alike
+            t.zero_()
+        assert not triton_cache_ops.supported(k, k, qlayer)
+        assert triton_cache_ops.quant_supported(k, k, qlayer) == triton_write
+        kernels.write_kv(k, k, qlayer, torch.tensor([0, 5, 2], device=DEVICE))
+        write_kv_torch(k, k, ref, torch.tensor([0, 5, 2], device=DEVICE))
+        assert all(torch.equal(a, b) for a, b in zip(qlayer.tensors(), ref.tensors()))
 
 
 def test_decode_checks_pages_and_lengths():
@@ -268,11 +291,57 @@ def test_engine_through_triton_matches_reference_backend(tiny_dir, mode):
         torch.testing.assert_close(outs[1][i]["all_logits"], ref["all_logits"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "q4"])
+def test_decode_graphs_replay_the_eager_step(tiny_dir, mode):
+    """engine/cuda_graphs.py without a GPU: decode steps go through the graph runner (bucket
+    choice, static buffers, padding rows with slot -1, the longest-context splits) with a stand-in
+    capture that reruns the step on the static buffers. Every decode step of 5 jobs growing and
+    finishing at different lengths (buckets 8, 4, 2, 1) gives bitwise the eager engine's
+    tokens and logits (native float32 linears and Triton attention are batch-invariant), and no
+    padding row writes a page: the null page stays zero."""
+    from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
+
+    from engine import Model
+    from engine.cuda_graphs import DecodeGraphs, eager_capture
+    outs, runs = [], []
+    for graphs in (False, True):
+        model = Model.load(tiny_dir, dtype="float32", device=DEVICE.type, kernels=TritonKernels())
+        model.cuda_graphs, model.graph_capture = graphs, eager_capture
+        prompts = random_prompts(5, [5, 19, 40, 3, 27], model.config.vocab_size, seed=4)
+        gen = make_generator(model, max_tokens=512, page_size=16, mode=PAGE_FORMATS[mode])   # q4: no window
+        calls = []
+        if graphs:
+            real_run = DecodeGraphs.run
+
+            def counted(self, batch, _run=real_run):
+                calls.append(batch.input_ids.shape[0])
+                return _run(self, batch)
+            DecodeGraphs.run = counted
+        try:
+            jobs = greedy_jobs(prompts, 9, return_logits=True)
+            for i, job in enumerate(jobs):
+                job.max_new_tokens = 3 + 2 * i                              # rows finish at different steps
+            outs.append(run_jobs(gen, jobs))
+        finally:
+            if graphs:
+                DecodeGraphs.run = real_run
+        runs.append(calls)
+        if graphs:
+            null = gen.cache.null_page
+            assert all(not t[null].float().nan_to_num(1.0).any() for t in gen.cache.layer(0).tensors())
+            sizes = model._graphs[gen.cache].sizes
+            assert set(model._graphs[gen.cache]._buckets) == {next(b for b in sizes if b >= n) for n in calls}
+    assert runs[1] and set(runs[1]) >= {5, 4, 3, 2, 1}
+    for i, ref in outs[0].items():
+        assert outs[1][i]["all_token_ids"] == ref["all_token_ids"]
+        assert torch.equal(outs[1][i]["all_logits"], ref["all_logits"])
+
+
 COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_cache_ops as tc
+from kernels import triton_attention as ta, triton_cache_ops as tc, triton_linear as tli
 
 def build(fn, types, consts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -292,6 +361,13 @@ build(ta._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*b
       dict(EMULATE=False, HQ=32, D=128, BLOCK_S=4, BLOCK_D=128))
 build(tc._write_kernel, {**ptrs(["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16"), "slot_ptr": "*i64"},
       dict(EMULATE=False, HKV=8, D=128, BLOCK=1024))
+for bits in (8, 4):
+    build(tc._quant_kernel, {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16", "slot_ptr": "*i64",
+                             "norm": "fp32"}, dict(HKV=8, D=128, G=32, LOG2G=5, BITS=bits, ROTATE=True))
+for dt, ieee in (("*bf16", False), ("*fp32", True)):
+    build(tli._linear_kernel, {**ptrs(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], dt)},
+          dict(HAS_BIAS=True, IEEE=ieee, EMULATE=False, BM=tli.BLOCK_M, BN=tli.BLOCK_N, BK=tli.BLOCK_K))
+build(tli._rms_norm_kernel, {**ptrs(["x_ptr", "w_ptr", "y_ptr"], "*bf16"), "eps": "fp32"}, dict(BLOCK=4096))
 print("compiled")
 """
 
@@ -307,3 +383,64 @@ def test_kernels_compile_for_hopper(tmp_path):
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+class _FlashStandIn:
+    """flash_attn's `flash_attn_varlen_func` with a paged cache as its documentation states it, in
+    torch: k/v caches [num_blocks, block_size, Hkv, D], block_table [B, max_blocks] int32, sequence b's
+    queries q[cu_q[b]:cu_q[b+1]] over its cu_k[b+1] - cu_k[b] keys, causal aligned to the end of the
+    context, GQA by repeating K/V heads. Records its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def flash_attn_varlen_func(self, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, block_table=None):
+        self.calls += 1
+        assert causal and block_table is not None and block_table.dtype == torch.int32
+        bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        out = torch.empty_like(q)
+        for b in range(len(cu_seqlens_q) - 1):
+            q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+            n, length = q1 - q0, int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+            assert n <= max_seqlen_q and length <= max_seqlen_k
+            pages = block_table[b, : -(-length // bs)].long()
+            k = k_cache[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(q.shape[1] // hkv, 1)
+            v = v_cache[pages].reshape(-1, hkv, d)[:length].float().repeat_interleave(q.shape[1] // hkv, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * softmax_scale
+            pos = torch.arange(max(length, n), device=q.device)
+            allowed = pos[None, :length] <= (length - n + pos[:n])[:, None]
+            p = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+        return out
+
+
+@pytest.mark.parametrize("mode,page_size,flash", [("bf16", 256, True), ("fp16", 512, True),
+                                                   ("bf16", 16, False), ("q8", 256, False)])
+def test_flash_attn_backend_plumbing(mode, page_size, flash):
+    """FlashAttnKernels hands the packed batch (decode rows and prefill chunks over cached pages) to
+    flash_attn_varlen_func with the page table as block_table and the metadata's cumulative lengths;
+    against a stand-in of flash-attn's documented semantics it gives the reference's output. Pages
+    not a multiple of 256 and quantized caches stay with the Triton kernels / reference."""
+    fmt = PAGE_FORMATS[mode]
+    stand_in = _FlashStandIn()
+    kernels = FlashAttnKernels(stand_in, require_cuda=DEVICE.type == "cuda")
+    dtype = fmt.dtype if not fmt.quantized else torch.bfloat16
+    layer, q, meta = _case(fmt, 6, 2, 32, page_size, [1 + page_size, 40, 3 * page_size // 2, 300], [1, 1, 20, 300],
+                           3, dtype)
+    out = kernels.attention(q, layer, meta, 0.125)
+    ref = TorchKernels().attention(q, layer, meta, 0.125)
+    _close(out, ref, dtype)
+    assert stand_in.calls == (1 if flash else 0)
+    described = kernels.describe(fmt)["decode_attention"]
+    assert described.startswith("flash-attn") == (not fmt.quantized)
+
+
+def test_flash_attn_chosen_where_it_imports_except_in_deterministic_mode(monkeypatch):
+    from kernels import backend
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "flash_attn", _FlashStandIn())
+    assert type(choose_kernels("cuda")) is FlashAttnKernels
+    assert type(choose_kernels("cuda", deterministic=True)) is TritonKernels    # flash-attn splits by batch size
+    monkeypatch.setattr(backend, "flash_attn_available", lambda: False)
+    assert type(choose_kernels("cuda")) is TritonKernels

@@ -1,0 +1,163 @@
+"""Decode steps replayed as CUDA graphs (issue 16), the way vLLM and SGLang cut a small model's
+per-step launch cost: a pure decode batch of B rows runs the forward captured for the smallest
+bucket >= B, after its inputs are copied into that bucket's static buffers. Prefill, mixed
+batches, draft rows and windowed cache formats run eagerly.
+
+    buckets       1, 2, 4, then every multiple of 8 up to MAX_ROWS
+    static input  input_ids [Bb] int64, positions [Bb] int64, slot_mapping [Bb] int64,
+                  page_table [Bb, max_pages] int32, seq_lens_k [Bb] int32, cu_seqlens_k [Bb + 1] int32
+                  (cu_seqlens_q is arange(Bb + 1); max_seqlen_k is the longest context the cache
+                  can hold, so the decode kernel's fixed splits cover every length: the splits a
+                  row does not reach weigh exactly 0 in the merge, as in an eager batch)
+    padding rows  token 0 at position 0, slot -1 (the Triton K/V writes store nothing for it),
+                  one position read from the null page, which every padding row leaves untouched
+    output        logits [Bb, V] float32, the first B rows copied out after the replay
+
+A row's logits equal the eager forward's when every op of the step is batch-invariant
+(deterministic mode: Triton linears and RMSNorm; Triton attention always), else they differ from
+it as two eager batches of other sizes would (cuBLAS picks other kernels for other row counts).
+
+`capture` is how a bucket is recorded: `cuda_capture` on a GPU; tests on a CPU pass one that
+records nothing and replays by calling the step again on the same static buffers, which checks the
+buffers, the padding and the metadata without a GPU (tests/test_triton_kernels.py).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from kernels.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+    from .model import ForwardBatch, Model
+
+MAX_ROWS = 256
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
+
+def buckets(max_rows: int = MAX_ROWS) -> list[int]:
+    return [b for b in (1, 2, 4) if b <= max_rows] + list(range(8, max_rows + 1, 8))
+
+
+def cuda_capture(step: Callable[[], torch.Tensor], pool: Any = None) -> tuple[Callable[[], None], torch.Tensor]:
+    """Run `step` twice on a side stream (Triton compiles, cuBLAS sets up), then record it into a
+    CUDA graph; returns (replay, the graph's output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph.replay, out
+
+
+def eager_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for tests without a GPU: the 'graph' is the step itself, rerun on the static
+    buffers at each replay, its output copied into one fixed tensor as a graph's would be."""
+    out = step()
+
+    def replay() -> None:
+        out.copy_(step())
+
+    return replay, out
+
+
+@dataclass
+class _Bucket:
+    batch: "ForwardBatch"                     # the static inputs
+    replay: Callable[[], None] = field(default=lambda: None)
+    logits: Optional[torch.Tensor] = None     # [Bb, V], written by each replay
+
+
+class DecodeGraphs:
+    """The captured decode steps of one model over one cache (held weakly: the model keeps one
+    DecodeGraphs per cache in a WeakKeyDictionary, which a strong reference would pin)."""
+
+    def __init__(self, model: "Model", cache: "PagedCache", capture: Optional[Capture] = None,
+                 max_rows: int = MAX_ROWS):
+        self.model, self._cache = model, weakref.ref(cache)
+        self.null_page, self.page_size = cache.null_page, cache.page_size
+        self.capture = capture or self._cuda_capture
+        self.sizes = buckets(max_rows)
+        self.max_len = min(model.max_seq_len, cache.max_tokens)
+        self.max_pages = -(-self.max_len // cache.page_size)
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool: Any = None
+
+    @staticmethod
+    def supports(model: "Model", cache: "PagedCache") -> bool:
+        """Triton kernels (graph-safe: no host sync in a decode step) and no recent-token window
+        (its store is written outside the kernels)."""
+        from kernels.backend import TritonKernels
+        return isinstance(model.kernels, TritonKernels) and not cache.window
+
+    def applies(self, batch: "ForwardBatch") -> bool:
+        """A pure decode batch: every row its own sequence with one new token and its logits."""
+        attn, t = batch.attn, batch.input_ids.shape[0]
+        return (0 < t <= self.sizes[-1] and attn.num_decode == t and not attn.prefill
+                and batch.logits_indices.shape[0] == t and attn.page_table.shape[1] <= self.max_pages
+                and attn.max_seqlen_k <= self.max_len)
+
+    def run(self, batch: "ForwardBatch") -> torch.Tensor:
+        """The batch's logits [B, V] float32 through the bucket's graph (captured on first use).
+        NOTE: the caller checked `applies`; logits_indices of a decode batch are its rows in order."""
+        t = batch.input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= t)
+        bucket = self._buckets.get(size) or self._record(size)
+        self._load(bucket.batch, batch, t)
+        bucket.batch.attn.kernel_args.clear()          # nothing derived from an earlier batch's metadata
+        bucket.replay()
+        return bucket.logits[:t].clone()
+
+    def _record(self, size: int) -> _Bucket:
+        bucket = _Bucket(self._static_batch(size))
+        cache = self._cache
+        bucket.replay, bucket.logits = self.capture(lambda: self.model.eager_forward(bucket.batch, cache()))
+        self._buckets[size] = bucket
+        return bucket
+
+    def _cuda_capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()      # one memory pool for every bucket
+        return cuda_capture(step, self._pool)
+
+    def _static_batch(self, size: int) -> "ForwardBatch":
+        """All rows padding (they write nothing), so capturing changes no page."""
+        from .model import ForwardBatch
+        dev = self.model.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        attn = AttentionMetadata(
+            cu_seqlens_q=torch.arange(size + 1, **i32), cu_seqlens_k=torch.arange(size + 1, **i32),
+            seq_lens_k=torch.ones(size, **i32), max_seqlen_q=1, max_seqlen_k=self.max_len,
+            page_table=torch.full((size, self.max_pages), self.null_page, **i32), page_size=self.page_size,
+            num_decode=size, decode_slots=None, decode_mask=None, prefill=[])
+        i64 = dict(dtype=torch.long, device=dev)
+        return ForwardBatch(input_ids=torch.zeros(size, **i64), positions=torch.zeros(size, **i64),
+                            slot_mapping=torch.full((size,), -1, **i64), attn=attn,
+                            logits_indices=torch.arange(size, **i64))
+
+    def _load(self, static: "ForwardBatch", batch: "ForwardBatch", t: int) -> None:
+        """batch's t rows into the static buffers, the rest reset to padding."""
+        s, a = static.attn, batch.attn
+        static.input_ids[:t].copy_(batch.input_ids)
+        static.positions[:t].copy_(batch.positions)
+        static.slot_mapping[:t].copy_(batch.slot_mapping)
+        s.seq_lens_k[:t].copy_(a.seq_lens_k)
+        s.cu_seqlens_k[: t + 1].copy_(a.cu_seqlens_k)
+        s.page_table[:t, : a.page_table.shape[1]].copy_(a.page_table)
+        s.page_table[:t, a.page_table.shape[1]:].fill_(self.null_page)
+        if t < static.input_ids.shape[0]:
+            static.input_ids[t:].zero_()
+            static.positions[t:].zero_()
+            static.slot_mapping[t:].fill_(-1)
+            s.seq_lens_k[t:].fill_(1)
+            s.cu_seqlens_k[t + 1:].copy_(s.cu_seqlens_k[t] + torch.arange(1, s.cu_seqlens_k.shape[0] - t,
+                                                                           dtype=torch.int32, device=s.cu_seqlens_k.device))
+            s.page_table[t:].fill_(self.null_page)
