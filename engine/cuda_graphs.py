@@ -1,9 +1,12 @@
 """Decode steps replayed as CUDA graphs (issue 16), the way vLLM and SGLang cut a small model's
 per-step launch cost: a pure decode batch of B rows runs the forward captured for the smallest
-bucket >= B, after its inputs are copied into that bucket's static buffers. Prefill, mixed
-batches, draft rows and windowed cache formats run eagerly.
+bucket >= B, after its inputs are copied into that bucket's static buffers. Batches of single
+tokens only (decode steps, and speculative verify steps, whose draft rows are one-token sequences
+too); prefill and mixed batches, windowed cache formats, layouts a Triton kernel does not take and
+the flash-attn backend (whose split heuristic reads the lengths on the host) run eagerly.
 
-    buckets       1, 2, 4, then every multiple of 8 up to MAX_ROWS
+    buckets       1, 2, 4, then every multiple of 8 up to MAX_ROWS, and no more rows than keep the
+                  decode kernel's split partials under SPLIT_BUDGET bytes
     static input  input_ids [Bb] int64, positions [Bb] int64, slot_mapping [Bb] int64,
                   page_table [Bb, max_pages] int32, seq_lens_k [Bb] int32, cu_seqlens_k [Bb + 1] int32
                   (cu_seqlens_q is arange(Bb + 1); max_seqlen_k is the longest context the cache
@@ -23,6 +26,7 @@ buffers, the padding and the metadata without a GPU (tests/test_triton_kernels.p
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -31,11 +35,14 @@ import torch
 
 from kernels.attention import AttentionMetadata
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from .cache import PagedCache
     from .model import ForwardBatch, Model
 
 MAX_ROWS = 256
+SPLIT_BUDGET = 256 * 2**20        # bytes of float32 split partials ([rows, Hq, splits, D]) a bucket may hold
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
 
 
@@ -43,19 +50,26 @@ def buckets(max_rows: int = MAX_ROWS) -> list[int]:
     return [b for b in (1, 2, 4) if b <= max_rows] + list(range(8, max_rows + 1, 8))
 
 
-def cuda_capture(step: Callable[[], torch.Tensor], pool: Any = None) -> tuple[Callable[[], None], torch.Tensor]:
+def cuda_capture(step: Callable[[], torch.Tensor], pool: Any = None,
+                 device: Optional[torch.device] = None) -> tuple[Callable[[], None], torch.Tensor]:
     """Run `step` twice on a side stream (Triton compiles, cuBLAS sets up), then record it into a
-    CUDA graph; returns (replay, the graph's output tensor)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
-    return graph.replay, out
+    CUDA graph on `device`; returns (replay, the graph's output tensor)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+
+    def replay() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+
+    return replay, out
 
 
 def eager_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
@@ -77,61 +91,90 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """The captured decode steps of one model over one cache (held weakly: the model keeps one
-    DecodeGraphs per cache in a WeakKeyDictionary, which a strong reference would pin)."""
+    """The captured decode steps of one model over one cache. Both are held weakly: the model
+    keeps one DecodeGraphs per cache in a WeakKeyDictionary, which a strong reference to the cache
+    would pin, and one to the model would make a cycle that only the cyclic GC frees."""
 
     def __init__(self, model: "Model", cache: "PagedCache", capture: Optional[Capture] = None,
                  max_rows: int = MAX_ROWS):
-        self.model, self._cache = model, weakref.ref(cache)
-        self.null_page, self.page_size = cache.null_page, cache.page_size
+        from kernels.triton_attention import SPLIT_LEN
+        self._model, self._cache = weakref.ref(model), weakref.ref(cache)
         self.capture = capture or self._cuda_capture
-        self.sizes = buckets(max_rows)
+        self.device = model.device
+        self.null_page, self.page_size = cache.null_page, cache.page_size
         self.max_len = min(model.max_seq_len, cache.max_tokens)
         self.max_pages = -(-self.max_len // cache.page_size)
-        self._buckets: dict[int, _Bucket] = {}
+        cfg = model.config
+        per_row = cfg.num_heads * -(-self.max_len // SPLIT_LEN) * cfg.head_dim * 4
+        self.sizes = buckets(max(1, min(max_rows, SPLIT_BUDGET // per_row)))
+        self.pages = _page_ptrs(cache)
+        self._buckets: dict[int, Optional[_Bucket]] = {}     # None: its capture failed, it runs eagerly
         self._pool: Any = None
 
     @staticmethod
     def supports(model: "Model", cache: "PagedCache") -> bool:
-        """Triton kernels (graph-safe: no host sync in a decode step) and no recent-token window
-        (its store is written outside the kernels)."""
-        from kernels.backend import TritonKernels
-        return isinstance(model.kernels, TritonKernels) and not cache.window
+        """The Triton kernels (graph-safe: no host sync in a decode step; not the flash-attn
+        backend) take every layer: K/V writes (which skip the padding rows' slot -1) and decode
+        attention; no recent-token window (its store is written outside the kernels)."""
+        from kernels import triton_attention, triton_cache_ops
+        from kernels.backend import FlashAttnKernels, TritonKernels
+        if not isinstance(model.kernels, TritonKernels) or isinstance(model.kernels, FlashAttnKernels):
+            return False
+        if cache.window:
+            return False
+        cfg = model.config
+        q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
+        k = torch.empty(1, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
+        return all((triton_cache_ops.supported(k, k, layer) or triton_cache_ops.quant_supported(k, k, layer))
+                   and triton_attention.supported(q, layer) for layer in cache.layers)
+
+    def pages_match(self, cache: "PagedCache") -> bool:
+        """The cache still has the page tensors the graphs were recorded on (their addresses are in
+        the graphs)."""
+        return _page_ptrs(cache) == self.pages
 
     def applies(self, batch: "ForwardBatch") -> bool:
-        """A pure decode batch: every row its own sequence with one new token and its logits."""
+        """A batch of single-token rows, each its own sequence, every row's logits wanted."""
         attn, t = batch.attn, batch.input_ids.shape[0]
         return (0 < t <= self.sizes[-1] and attn.num_decode == t and not attn.prefill
                 and batch.logits_indices.shape[0] == t and attn.page_table.shape[1] <= self.max_pages
                 and attn.max_seqlen_k <= self.max_len)
 
     def run(self, batch: "ForwardBatch") -> torch.Tensor:
-        """The batch's logits [B, V] float32 through the bucket's graph (captured on first use).
+        """The batch's logits [B, V] float32 through the bucket's graph (captured on first use; a
+        bucket whose capture fails runs eagerly from then on, with a warning).
         NOTE: the caller checked `applies`; logits_indices of a decode batch are its rows in order."""
         t = batch.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= t)
-        bucket = self._buckets.get(size) or self._record(size)
+        if size not in self._buckets:
+            self._buckets[size] = self._record(size)
+        bucket = self._buckets[size]
+        if bucket is None:
+            return self._model().eager_forward(batch, self._cache())
         self._load(bucket.batch, batch, t)
         bucket.batch.attn.kernel_args.clear()          # nothing derived from an earlier batch's metadata
         bucket.replay()
         return bucket.logits[:t].clone()
 
-    def _record(self, size: int) -> _Bucket:
+    def _record(self, size: int) -> Optional[_Bucket]:
         bucket = _Bucket(self._static_batch(size))
-        cache = self._cache
-        bucket.replay, bucket.logits = self.capture(lambda: self.model.eager_forward(bucket.batch, cache()))
-        self._buckets[size] = bucket
+        model, cache = self._model, self._cache
+        try:
+            bucket.replay, bucket.logits = self.capture(lambda: model().eager_forward(bucket.batch, cache()))
+        except (RuntimeError, MemoryError) as e:       # e.g. out of memory for the graph's pool
+            log.warning("CUDA graph of %d decode rows not captured (%s): those steps run eagerly", size, e)
+            return None
         return bucket
 
     def _cuda_capture(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()      # one memory pool for every bucket
-        return cuda_capture(step, self._pool)
+        return cuda_capture(step, self._pool, self.device)
 
     def _static_batch(self, size: int) -> "ForwardBatch":
         """All rows padding (they write nothing), so capturing changes no page."""
         from .model import ForwardBatch
-        dev = self.model.device
+        dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
         attn = AttentionMetadata(
             cu_seqlens_q=torch.arange(size + 1, **i32), cu_seqlens_k=torch.arange(size + 1, **i32),
@@ -161,3 +204,7 @@ class DecodeGraphs:
             s.cu_seqlens_k[t + 1:].copy_(s.cu_seqlens_k[t] + torch.arange(1, s.cu_seqlens_k.shape[0] - t,
                                                                            dtype=torch.int32, device=s.cu_seqlens_k.device))
             s.page_table[t:].fill_(self.null_page)
+
+
+def _page_ptrs(cache: "PagedCache") -> tuple[int, ...]:
+    return tuple(t.data_ptr() for layer in cache.layers for t in layer.tensors())

@@ -128,11 +128,14 @@ class Model:
         return self.eager_forward(batch, cache)
 
     def _decode_graphs(self, cache: "PagedCache") -> "Optional[DecodeGraphs]":
-        if cache not in self._graphs:
+        """The CUDA graphs of decode steps over this cache (engine/cuda_graphs.py), or None where
+        they do not apply; rebuilt if the cache's pages were ever replaced."""
+        graphs = self._graphs.get(cache, False)
+        if graphs is False or (graphs is not None and not graphs.pages_match(cache)):
             from .cuda_graphs import DecodeGraphs
-            self._graphs[cache] = (DecodeGraphs(self, cache, self.graph_capture)
-                                   if DecodeGraphs.supports(self, cache) else None)
-        return self._graphs[cache]
+            graphs = DecodeGraphs(self, cache, self.graph_capture) if DecodeGraphs.supports(self, cache) else None
+            self._graphs[cache] = graphs
+        return graphs
 
     @torch.inference_mode()
     def eager_forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:

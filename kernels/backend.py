@@ -180,6 +180,10 @@ class FlashAttnKernels(TritonKernels):
         super().__init__()
         if flash_attn is None:
             import flash_attn
+            import inspect
+            if "block_table" not in inspect.signature(flash_attn.flash_attn_varlen_func).parameters:
+                raise ImportError(f"flash_attn {getattr(flash_attn, '__version__', '?')} takes no block_table "
+                                  "(paged KV needs flash-attn 2.5 or later)")
         self._flash, self._require_cuda = flash_attn, require_cuda
 
     def usable(self, q: torch.Tensor, layer: LayerKV) -> bool:

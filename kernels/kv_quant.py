@@ -58,7 +58,9 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, rotation: bool) -> tup
     qmax = QMAX[bits]
     xr = rotate(x, group_size) if rotation else x.float()
     g = xr.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)      # [..., D/G, G]
-    exact = g.abs().amax(dim=-1) / qmax                                          # [..., D/G]
+    amax = g.abs().amax(dim=-1)                                                  # [..., D/G]
+    exact = amax / torch.full_like(amax, qmax)   # a tensor divisor: IEEE division on CUDA too (a scalar
+                                                 # one becomes a multiply by its reciprocal there)
     fp16_max = torch.finfo(torch.float16).max
     scale = exact.clamp(max=fp16_max).half()
     short = scale.float() < exact                        # rounded down: bump one ulp (beyond the

@@ -200,31 +200,34 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
         s = tl.where(pmask[None, :], s, float("-inf"))                           # [G, N]
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE)
     part = (b * (HKV * GQA) + heads).to(tl.int64) * num_splits + split           # [G]
-    gmask = g < GQA
+    gmask = (g < GQA) & (start < seq_len)          # a split past the row's length stores nothing: the
     tl.store(acc_ptr + part[:, None] * D + col[None, :], acc, mask=gmask[:, None] & dmask[None, :])
     tl.store(ml_ptr + part * 2, m_i, mask=gmask)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=gmask)
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, ml_ptr, out_ptr, out_stride_t, out_stride_h, num_splits, EMULATE: tl.constexpr,
-                    HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Splits merged in a fixed order, BLOCK_S at a time: a row's result depends on its own
-    splits alone (the empty ones a longer row in the batch adds weigh exactly 0)."""
+def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lens_ptr, out_stride_t, out_stride_h, num_splits, split_len,
+                    EMULATE: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """A row's own splits (those its length reaches) merged in a fixed order, BLOCK_S at a time:
+    its result depends on them alone, not on how many splits the grid has for a longer row of the
+    batch or for the longest context a CUDA graph was captured for (masked lanes weigh exactly 0)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     col = tl.arange(0, BLOCK_D)
     base = (b * HQ + h).to(tl.int64) * num_splits
+    own = tl.minimum(tl.cdiv(tl.maximum(tl.load(lens_ptr + b), 1), split_len), num_splits)
     m_max = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    for s0 in range(0, num_splits, BLOCK_S):
+    for s0 in range(0, own, BLOCK_S):
         sp = s0 + tl.arange(0, BLOCK_S)
-        m_max = tl.maximum(m_max, tl.max(tl.load(ml_ptr + (base + sp) * 2, mask=sp < num_splits,
+        m_max = tl.maximum(m_max, tl.max(tl.load(ml_ptr + (base + sp) * 2, mask=sp < own,
                                                  other=float("-inf")), 0))
     o = tl.zeros([BLOCK_D], tl.float32)
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    for s0 in range(0, num_splits, BLOCK_S):
+    for s0 in range(0, own, BLOCK_S):
         sp = s0 + tl.arange(0, BLOCK_S)
-        smask = sp < num_splits
+        smask = sp < own
         m = tl.load(ml_ptr + (base + sp) * 2, mask=smask, other=float("-inf"))
         w = tl.exp2(m - m_max)                         # empty splits (m = -inf) weigh 0
         den += tl.sum(tl.load(ml_ptr + (base + sp) * 2 + 1, mask=smask, other=0.0) * w, 0)
@@ -318,8 +321,8 @@ def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens:
         q, layer.k, layer.v, ks, vs, wk, wv, w_slots, w_starts, page_table, seq_lens, acc, ml,
         scale * LOG2E, q.stride(0), q.stride(1), page_table.stride(0), split_len, splits,
         WINDOW=layer.fmt.window, BLOCK_G=max(16, triton.next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args)
-    _combine_kernel[(bd, hq)](acc, ml, out, out.stride(0), out.stride(1), splits, interpreting(), HQ=hq, D=d,
-                              BLOCK_S=16, BLOCK_D=args["BLOCK_D"])
+    _combine_kernel[(bd, hq)](acc, ml, out, seq_lens, out.stride(0), out.stride(1), splits, split_len, interpreting(),
+                              HQ=hq, D=d, BLOCK_S=16, BLOCK_D=args["BLOCK_D"])
     return out
 
 

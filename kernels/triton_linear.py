@@ -94,7 +94,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), H * 1.0) + eps))     # IEEE, not approximate
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * sy + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -205,7 +205,7 @@ def test_quantized_write_matches_reference(mode, src_dtype, d):
     v = qkv[:, (3 + hkv) * d:].view(t, hkv, d)
     k[0, 0, :32] = 0.0                                              # zero group: scale 0, codes offset
     k[1, 1, :32] = torch.arange(32, dtype=torch.float32).to(src_dtype) - 15.5   # ties after scaling
-    v[2, 0, 5] = 1e6                                                # beyond fp16 * qmax: scale clips
+    v[2, 0, 5] = 1e8                                                # beyond fp16 * qmax * sqrt(G): scale clips
     v[3, 1, 32 % d] = float("nan")
     k, v = k.to(DEVICE), v.to(DEVICE)
     slots = torch.randperm(6 * page_size, generator=g)[:t].to(DEVICE)
@@ -357,7 +357,7 @@ for kv, q, bits, window, native in [("*bf16", "*bf16", (0, 0), 0, True), ("*u8",
     build(ta._decode_kernel, types, dict(common, WINDOW=window, BLOCK_G=16))
     if not window:
         build(ta._prefill_kernel, types, dict(common, BLOCK_M=64))
-build(ta._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16"},
+build(ta._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i32"},
       dict(EMULATE=False, HQ=32, D=128, BLOCK_S=4, BLOCK_D=128))
 build(tc._write_kernel, {**ptrs(["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16"), "slot_ptr": "*i64"},
       dict(EMULATE=False, HKV=8, D=128, BLOCK=1024))
