@@ -18,6 +18,12 @@
 
     PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT
 
+The engine-level figures (MMLU-shaped and decode against transformers or a plain-torch Llama,
+CUDA graphs against eager, deterministic mode's cost) are benchmarks/gpu_engine.py, run after this
+in the same device call:
+
+    PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT; PYTHONPATH=. timeout 300 python benchmarks/gpu_engine.py --out $OUT
+
 Writes OUT/gpu_check.json (rewritten after each part) and OUT/pytest_*.log.
 """
 from __future__ import annotations
