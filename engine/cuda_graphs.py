@@ -86,6 +86,7 @@ def eager_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None],
 @dataclass
 class _Bucket:
     batch: "ForwardBatch"                     # the static inputs
+    rows: int = 0                             # real rows of the last batch loaded (the rest are padding)
     replay: Callable[[], None] = field(default=lambda: None)
     logits: Optional[torch.Tensor] = None     # [Bb, V], written by each replay
 
@@ -151,7 +152,7 @@ class DecodeGraphs:
         bucket = self._buckets[size]
         if bucket is None:
             return self._model().eager_forward(batch, self._cache())
-        self._load(bucket.batch, batch, t)
+        self._load(bucket, batch, t)
         bucket.batch.attn.kernel_args.clear()          # nothing derived from an earlier batch's metadata
         bucket.replay()
         return bucket.logits[:t].clone()
@@ -186,9 +187,10 @@ class DecodeGraphs:
                             slot_mapping=torch.full((size,), -1, **i64), attn=attn,
                             logits_indices=torch.arange(size, **i64))
 
-    def _load(self, static: "ForwardBatch", batch: "ForwardBatch", t: int) -> None:
-        """batch's t rows into the static buffers, the rest reset to padding."""
-        s, a = static.attn, batch.attn
+    def _load(self, bucket: _Bucket, batch: "ForwardBatch", t: int) -> None:
+        """batch's t rows into the bucket's static buffers; rows the previous batch used beyond t
+        back to padding (rows beyond it are padding already)."""
+        static, s, a = bucket.batch, bucket.batch.attn, batch.attn
         static.input_ids[:t].copy_(batch.input_ids)
         static.positions[:t].copy_(batch.positions)
         static.slot_mapping[:t].copy_(batch.slot_mapping)
@@ -196,15 +198,15 @@ class DecodeGraphs:
         s.cu_seqlens_k[: t + 1].copy_(a.cu_seqlens_k)
         s.page_table[:t, : a.page_table.shape[1]].copy_(a.page_table)
         s.page_table[:t, a.page_table.shape[1]:].fill_(self.null_page)
-        if t < static.input_ids.shape[0]:
-            static.input_ids[t:].zero_()
-            static.positions[t:].zero_()
-            static.slot_mapping[t:].fill_(-1)
-            s.seq_lens_k[t:].fill_(1)
-            s.cu_seqlens_k[t + 1:].copy_(s.cu_seqlens_k[t] + torch.arange(1, s.cu_seqlens_k.shape[0] - t,
-                                                                           dtype=torch.int32, device=s.cu_seqlens_k.device))
-            s.page_table[t:].fill_(self.null_page)
-
+        if bucket.rows > t:
+            static.input_ids[t: bucket.rows].zero_()
+            static.positions[t: bucket.rows].zero_()
+            static.slot_mapping[t: bucket.rows].fill_(-1)
+            s.seq_lens_k[t: bucket.rows].fill_(1)
+            s.page_table[t: bucket.rows].fill_(self.null_page)
+        # padding rows hold one key each: cu_seqlens_k continues from the real rows' total
+        torch.add(s.cu_seqlens_q[1: s.cu_seqlens_q.shape[0] - t], s.cu_seqlens_k[t], out=s.cu_seqlens_k[t + 1:])
+        bucket.rows = t
 
 def _page_ptrs(cache: "PagedCache") -> tuple[int, ...]:
     return tuple(t.data_ptr() for layer in cache.layers for t in layer.tensors())

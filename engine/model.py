@@ -36,11 +36,8 @@ def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: boo
     """Which kernels a model with these settings runs (recorded in run manifests)."""
     from .cache import CACHE_MODES
     kernels = choose_kernels(device, deterministic)
-    if deterministic:            # the batch-invariant linears (kernels/linear.py); the manifest says deterministic
-        lin = "triton-linear" if torch.device(device).type == "cuda" else "native-gemm"
-    else:
-        lin = linear_backend(device, DTYPES[dtype])
-    return {"linear": lin, "backend": kernels.name, **kernels.describe(CACHE_MODES[cache_mode])}
+    return {"linear": linear_backend(device, DTYPES[dtype], deterministic), "backend": kernels.name,
+            **kernels.describe(CACHE_MODES[cache_mode])}
 
 
 @dataclass

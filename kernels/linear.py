@@ -71,9 +71,12 @@ def _note_once(msg: str, quiet: bool = False) -> None:
         (log.info if quiet else log.warning)(msg)
 
 
-def linear_backend(device: str | torch.device, dtype: torch.dtype) -> str:
+def linear_backend(device: str | torch.device, dtype: torch.dtype, invariant: bool = False) -> str:
     """What `make_linear` + `linear` run on: "native-gemm" or "onednn-prepacked" (CPU float32,
-    in that order of preference), else "torch"."""
+    in that order of preference), else "torch"; batch-invariant linears "native-gemm" on the CPU
+    (any dtype) and "triton-linear" on CUDA."""
+    if invariant:
+        return "triton-linear" if torch.device(device).type == "cuda" else "native-gemm"
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return "torch"
     choice = os.environ.get("EVALRUN_LINEAR", "").strip().lower() or "native"

@@ -37,10 +37,16 @@ def supported(k: torch.Tensor, v: torch.Tensor, layer: LayerKV) -> bool:
         return False
     if tuple(layer.k.shape[2:]) != tuple(k.shape[1:]) or layer.v.shape != layer.k.shape:
         return False
-    tensors = [k, v, layer.k, layer.v]
+    return _inputs_and_pages_ok(k, v, [layer.k, layer.v])
+
+
+def _inputs_and_pages_ok(k: torch.Tensor, v: torch.Tensor, pages: list[torch.Tensor]) -> bool:
+    """What both writes need: k, v with a contiguous last dim, contiguous page tensors, all on one
+    device (CUDA, or any under the interpreter)."""
+    tensors = [k, v, *pages]
     on_device = interpreting() or all(t.device.type == "cuda" for t in tensors)
     return (on_device and len({t.device for t in tensors}) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and layer.k.is_contiguous() and layer.v.is_contiguous())
+            and all(t.is_contiguous() for t in pages))
 
 
 @triton.jit
@@ -133,10 +139,7 @@ def quant_supported(k: torch.Tensor, v: torch.Tensor, layer: LayerKV) -> bool:
     g = fmt.group_size
     if d % g or d & (d - 1) or tuple(layer.k_scale.shape[2:]) != (hkv, d // g):
         return False
-    tensors = [k, v, layer.k, layer.v, layer.k_scale, layer.v_scale]
-    on_device = interpreting() or all(t.device.type == "cuda" for t in tensors)
-    return (on_device and len({t.device for t in tensors}) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and all(t.is_contiguous() for t in tensors[2:]))
+    return _inputs_and_pages_ok(k, v, [layer.k, layer.v, layer.k_scale, layer.v_scale])
 
 
 def write_kv_quant_triton(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
