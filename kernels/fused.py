@@ -61,11 +61,16 @@ def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+def finite_rows_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(x).all(dim=-1)
+
+
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {
     "rms_norm_f32": (_I32, [_P, _P, _P, _I32, _I32, ctypes.c_float, _I32]),
     "silu_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
     "argmax_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
+    "finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
     "rope_write_f32": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _P]),
 }
 
@@ -169,3 +174,20 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if lib.argmax_rows_f32(x.data_ptr(), t, v, out.data_ptr(), num_threads(t * v, t)) != 0:
         return argmax_reference(logits)
     return out
+
+
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.isfinite(x).all(dim=-1) for [T, V] rows (bool [T]): whether a row has no NaN and no
+    Inf. Float32 CPU rows go through the native pass on the shared pool, anything else through
+    torch."""
+    if not supported(x):
+        return finite_rows_reference(x)
+    lib = _ready()
+    if lib is None:
+        return finite_rows_reference(x)
+    x = x.contiguous()
+    t, v = x.shape
+    out = torch.empty(t, dtype=torch.uint8)
+    if lib.finite_rows_f32(x.data_ptr(), t, v, out.data_ptr(), num_threads(t * v, t)) != 0:
+        return finite_rows_reference(x)
+    return out.bool()

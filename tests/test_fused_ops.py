@@ -103,6 +103,25 @@ def test_argmax_matches_torch(rows, vocab):
     assert torch.equal(fused.argmax_rows(x), torch.argmax(x, dim=-1))
 
 
+@pytest.mark.parametrize("rows,vocab", [(32, 49152), (5, 7), (3, 1), (70, 1003), (2, 0)])
+def test_finite_rows_matches_torch(rows, vocab):
+    """Each non-finite kind (NaN, +inf, -inf, the largest finite float, a subnormal) at the start,
+    inside an 8-lane block and in the scalar tail: the row flags equal torch.isfinite(...).all(-1)."""
+    _need_native()
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab))
+    specials = [float("nan"), float("inf"), float("-inf"), torch.finfo(torch.float32).max, 1e-45]
+    if vocab:
+        for r in range(rows):
+            kind, where = r % (len(specials) + 1), (r * 7) % 3
+            if kind < len(specials):
+                x[r, (0, vocab // 2, vocab - 1)[where]] = specials[kind]
+    want = torch.isfinite(x).all(dim=-1)
+    if rows >= 6 and vocab:                                    # both kinds of row are present
+        assert want.any() and not want.all()
+    assert torch.equal(fused.finite_rows(x), want)
+    assert torch.equal(fused.finite_rows(x.double()), torch.isfinite(x.double()).all(dim=-1))   # torch path
+
+
 def test_argmax_ties_infinities_and_nan_follow_torch():
     """Ties go to the first index, +inf wins, an all -inf row gives 0, a NaN anywhere wins (the
     first NaN): torch.argmax's contract, checked against torch itself."""

@@ -3,6 +3,7 @@
  *   rms_norm(x [T, H], w [H]) -> out [T, H]      out = x / sqrt(mean(x^2) + eps) * w
  *   silu_mul(gu [T, 2I])      -> out [T, I]      out = silu(gu[:, :I]) * gu[:, I:]
  *   argmax_rows(x [T, V])     -> out [T] int64   torch.argmax(x, dim=-1) (greedy sampling)
+ *   finite_rows(x [T, V])     -> out [T] uint8   torch.isfinite(x).all(dim=-1) (the sampler's check)
  *
  * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
  * never depends on how many rows share the call (batch invariance). Rows are split over up to
@@ -202,5 +203,48 @@ int argmax_rows_f32(const float *x, int T, int V, int64_t *out, int nthreads) {
     atomic_int next = 0;
     ArgmaxTask task = {x, out, T, V, &next};
     evalrun_pool_run(argmax_worker, &task, nthreads < 1 ? 1 : nthreads > T ? (T > 0 ? T : 1) : nthreads);
+    return 0;
+}
+
+/* 1 when none of the n values is NaN or +-Inf (exponent bits all ones), else 0. */
+static int row_finite(const float *x, int V) {
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i ex = _mm256_set1_epi32(0x7f800000);
+    __m256i bad = _mm256_setzero_si256();
+    for (; j + 8 <= V; j += 8) {
+        const __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + j)), ex);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(b, ex));
+    }
+    if (!_mm256_testz_si256(bad, bad)) return 0;
+#endif
+    for (; j < V; j++)
+        if (!isfinite(x[j])) return 0;
+    return 1;
+}
+
+typedef struct {
+    const float *x;
+    uint8_t *out;
+    int T, V;
+    atomic_int *next;
+} FiniteTask;
+
+static void finite_worker(void *p, int tid, int nth) {
+    (void)tid;
+    (void)nth;
+    const FiniteTask *t = (const FiniteTask *)p;
+    for (int r = atomic_fetch_add(t->next, 1); r < t->T; r = atomic_fetch_add(t->next, 1))
+        t->out[r] = (uint8_t)row_finite(t->x + (int64_t)r * t->V, t->V);
+}
+
+/* On the shared pool, not torch's threads: the sampler runs this on every step's logits, and a
+ * torch reduction there left torch's OpenMP workers spinning on both cores while the next native
+ * kernel waited for its pool thread (argmax 0.4 -> 3 ms a step at 32 rows, 2 cores). */
+int finite_rows_f32(const float *x, int T, int V, uint8_t *out, int nthreads) {
+    if (T < 0 || V < 0) return 1;
+    atomic_int next = 0;
+    FiniteTask task = {x, out, T, V, &next};
+    evalrun_pool_run(finite_worker, &task, nthreads < 1 ? 1 : nthreads > T ? (T > 0 ? T : 1) : nthreads);
     return 0;
 }
