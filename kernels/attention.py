@@ -185,7 +185,7 @@ def _causal_mask(q_len: int, k_len: int, device: torch.device) -> Optional[torch
 
 DecodeFn = Callable[[torch.Tensor, LayerKV, AttentionMetadata, float], torch.Tensor]
 # the prefill sequences of the whole batch's q at once: -> [rows from the first prefill row on, Hq, D]
-PrefillFn = Callable[[torch.Tensor, LayerKV, AttentionMetadata, float], torch.Tensor]
+PrefillFn = Callable[..., torch.Tensor]        # (q, layer, meta, scale, out=None): see paged_prefill.prefill_native
 RotateFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
@@ -213,7 +213,10 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
         out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
     native_prefill = prefill is not None and fresh is None
     if native_prefill and meta.prefill:
-        out[meta.prefill[0].q_start:] = prefill(q, layer, meta, scale)
+        rows = out[meta.prefill[0].q_start:]
+        done = prefill(q, layer, meta, scale, out=rows)
+        if done.data_ptr() != rows.data_ptr():            # the kernel could not write in place
+            rows.copy_(done)
     for seq in () if native_prefill else meta.prefill:
         if fresh is not None:
             _prefill_windowed(q, fresh, layer, seq, scale, out)

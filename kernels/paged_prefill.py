@@ -77,17 +77,20 @@ class Sequences:
                    max(1, int(lens.max())) if len(lens) else 1, int((qn.long() * lens.long()).sum()))
 
 
-def prefill_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def prefill_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The prefill sequences of a batch whose metadata build_metadata checked (a `PrefillFn`):
     q [T, Hq, D] of the whole batch -> [T - first prefill row, Hq, D]. Their int32 tables are made
-    once per forward (kept on the metadata, which every layer shares)."""
+    once per forward (kept on the metadata, which every layer shares). out: where to write that
+    result, used when it is a contiguous float32 tensor of its shape (the rows of the batch's
+    output), and returned; else a new tensor is."""
     seqs = meta.kernel_args.get("paged_prefill")
     if seqs is None:
         nd = meta.num_decode
         cu = meta.cu_seqlens_q[nd:].long()
         seqs = meta.kernel_args["paged_prefill"] = Sequences.of(meta.page_table[nd:], meta.seq_lens_k[nd:],
                                                                 cu[1:] - cu[:-1])
-    return _call(q[meta.prefill[0].q_start:], layer, seqs, scale)
+    return _call(q[meta.prefill[0].q_start:], layer, seqs, scale, out)
 
 
 def paged_prefill_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -117,7 +120,8 @@ def _scratch(floats: int) -> torch.Tensor:
     return buf
 
 
-def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float) -> torch.Tensor:
+def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float,
+          dest: Optional[torch.Tensor] = None) -> torch.Tensor:
     t, hq, d = q.shape
     b, s, hkv = seqs.table.shape[0], layer.page_size, layer.num_kv_heads
     if b == 0:
@@ -127,7 +131,11 @@ def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float) -> tor
     threads = num_threads(seqs.work, hq, d)
     k_kind, v_kind = kinds(layer)
     scratch = _scratch(threads * lib.paged_prefill_scratch_floats(hq, hkv, d, seqs.lmax, k_kind, v_kind))
-    out = torch.empty(t, hq, d, dtype=torch.float32)
+    # straight into the caller's rows where it can take them: a torch copy of a prefill chunk's
+    # [T, Hq, D] runs on torch's threads, which then spin on the cores the next kernels use
+    direct = (dest is not None and q.dtype == torch.float32 and dest.dtype == torch.float32
+              and dest.shape == (t, hq, d) and dest.is_contiguous() and dest.device.type == "cpu")
+    out = dest if direct else torch.empty(t, hq, d, dtype=torch.float32)
     ptr = lambda x: None if x is None else x.data_ptr()     # noqa: E731
     rc = lib.paged_prefill(qf.data_ptr(), layer.k.data_ptr(), layer.v.data_ptr(), ptr(layer.k_scale),
                            ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size, seqs.table.data_ptr(),

@@ -131,9 +131,9 @@ def test_dispatch_mixes_native_decode_and_prefill(monkeypatch, mode, d):
     calls = []
 
     def spy(name, real):
-        def call(q, layer, meta, scale):
+        def call(q, layer, meta, scale, **kw):
             calls.append((name, q.shape[0]))
-            return real(q, layer, meta, scale)
+            return real(q, layer, meta, scale, **kw)
         return call
 
     monkeypatch.setattr(paged_decode, "decode_native", spy("decode", paged_decode.decode_native))

@@ -142,6 +142,29 @@ def test_metadata_prefill_rows_follow_the_decode_group():
     assert torch.equal(paged_prefill.prefill_native(q[2:], layer, only, 0.2), out)
 
 
+def test_prefill_writes_into_the_callers_rows_when_it_can():
+    """out= (the batch output's rows after the decode group): float32 rows of the right shape are
+    written in place and returned, bitwise the result of a fresh tensor; anything else (a strided
+    view, another dtype, a wrong shape) is left untouched and a new tensor is returned."""
+    _need_native()
+    q, layer, meta = _paged_case(6, 2, 32, 8, [3, 20, 9, 30], "fp32", seed=5, q_lens=[1, 1, 9, 4])
+    fresh = paged_prefill.prefill_native(q, layer, meta, 0.2)
+    batch = torch.full((15, 6, 32), float("nan"))
+    rows = batch[2:]
+    got = paged_prefill.prefill_native(q, layer, meta, 0.2, out=rows)
+    assert got.data_ptr() == rows.data_ptr() and torch.equal(batch[2:], fresh)
+    assert batch[:2].isnan().all()                           # the decode rows are not touched
+    for bad in (torch.full((32, 6, 13), float("nan")).transpose(0, 2), torch.zeros(13, 6, 32, dtype=torch.float64),
+                torch.zeros(12, 6, 32)):
+        before = bad.clone()
+        got = paged_prefill.prefill_native(q, layer, meta, 0.2, out=bad)
+        assert got.data_ptr() != bad.data_ptr() and torch.equal(got, fresh)
+        assert torch.equal(bad.nan_to_num(), before.nan_to_num())
+    # attend() with both groups: the same as the torch reference, through the in-place path
+    torch.testing.assert_close(attend(q, layer, meta, 0.2, prefill=paged_prefill.prefill_native),
+                               paged_attention_torch(q, layer, meta, 0.2), atol=2e-6, rtol=1e-5)
+
+
 def test_many_query_heads_per_kv_head():
     """72 query heads on one KV head (Falcon-7B has 71): more rows per task than any fixed bound."""
     _need_native()
