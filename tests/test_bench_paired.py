@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ PEER = textwrap.dedent('''
     print("a log line the protocol must skip", flush=True)
     if mode == "die":
         sys.exit(3)
+    if mode == "busy":                # an engine process that spins while the peer waits for "go"
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        open(out + ".child", "w").write(str(child.pid))
     print("@@evalrun ready", flush=True)
     seconds = []
     for line in sys.stdin:
@@ -69,3 +74,33 @@ def test_other_cpu_counts_another_process(tmp_path):
         subprocess.run([sys.executable, str(spin)], check=True)
     assert busy.other_s >= 0.4
     assert busy.steal_s >= 0.0
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_paused_peer_takes_no_cpu_and_close_ends_its_processes(tmp_path):
+    """The peer's engine processes (a spinning child here, as an idle vLLM-CPU engine spins) take
+    no CPU while paused, run again after, and close() ends them with the peer."""
+    with _peer(tmp_path, "busy") as peer:
+        child = int((tmp_path / "out.json.child").read_text())
+        with peer.paused():
+            time.sleep(0.1)                          # the stop has landed
+            before = _cpu_s(child)
+            time.sleep(0.5)
+            assert _cpu_s(child) - before < 0.05
+        before = _cpu_s(child)
+        time.sleep(0.5)
+        assert _cpu_s(child) - before > 0.1          # resumed
+        assert peer.round() == 0.01                  # and the peer still answers
+    assert not _alive(child)
