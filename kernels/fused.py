@@ -159,35 +159,32 @@ def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     return q
 
 
+def _per_row(name: str, x: torch.Tensor, dtype: torch.dtype, reference, min_cols: int) -> torch.Tensor:
+    """One value per row of [T, V] through the native `name`, or `reference(x)` where it cannot run
+    (not float32 CPU rows, fewer than min_cols columns, no library)."""
+    if not supported(x) or x.shape[1] < min_cols:
+        return reference(x)
+    lib = _ready()                                # only float32 CPU rows load (and build) the library
+    if lib is None:
+        return reference(x)
+    x = x.contiguous()
+    t, v = x.shape
+    out = torch.empty(t, dtype=dtype)
+    if getattr(lib, name)(x.data_ptr(), t, v, out.data_ptr(), num_threads(t * v, t)) != 0:
+        return reference(x)
+    return out
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for [T, V] rows: the first index on ties, a row's first NaN
     if it has one. Float32 CPU rows go through the native pass (rows split over the threads;
     torch's reduction runs ~1.9 ms on 32 x 49,152 logits here); anything else through torch."""
-    if not supported(logits) or logits.shape[1] == 0:
-        return argmax_reference(logits)
-    lib = _ready()                                # only float32 CPU rows load (and build) the library
-    if lib is None:
-        return argmax_reference(logits)
-    x = logits.contiguous()
-    t, v = x.shape
-    out = torch.empty(t, dtype=torch.int64)
-    if lib.argmax_rows_f32(x.data_ptr(), t, v, out.data_ptr(), num_threads(t * v, t)) != 0:
-        return argmax_reference(logits)
-    return out
+    return _per_row("argmax_rows_f32", logits, torch.int64, argmax_reference, 1)
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.isfinite(x).all(dim=-1) for [T, V] rows (bool [T]): whether a row has no NaN and no
     Inf. Float32 CPU rows go through the native pass on the shared pool, anything else through
     torch."""
-    if not supported(x):
-        return finite_rows_reference(x)
-    lib = _ready()
-    if lib is None:
-        return finite_rows_reference(x)
-    x = x.contiguous()
-    t, v = x.shape
-    out = torch.empty(t, dtype=torch.uint8)
-    if lib.finite_rows_f32(x.data_ptr(), t, v, out.data_ptr(), num_threads(t * v, t)) != 0:
-        return finite_rows_reference(x)
-    return out.bool()
+    out = _per_row("finite_rows_f32", x, torch.uint8, finite_rows_reference, 0)
+    return out if out.dtype == torch.bool else out.bool()

@@ -183,29 +183,6 @@ static int64_t argmax_row(const float *x, int V) {
     return 0;                       /* V == 0 is refused by the caller */
 }
 
-typedef struct {
-    const float *x;
-    int64_t *out;
-    int T, V;
-    atomic_int *next;
-} ArgmaxTask;
-
-static void argmax_worker(void *p, int tid, int nth) {
-    (void)tid;
-    (void)nth;
-    const ArgmaxTask *t = (const ArgmaxTask *)p;
-    for (int r = atomic_fetch_add(t->next, 1); r < t->T; r = atomic_fetch_add(t->next, 1))
-        t->out[r] = argmax_row(t->x + (int64_t)r * t->V, t->V);
-}
-
-int argmax_rows_f32(const float *x, int T, int V, int64_t *out, int nthreads) {
-    if (T < 0 || V < 1) return 1;
-    atomic_int next = 0;
-    ArgmaxTask task = {x, out, T, V, &next};
-    evalrun_pool_run(argmax_worker, &task, nthreads < 1 ? 1 : nthreads > T ? (T > 0 ? T : 1) : nthreads);
-    return 0;
-}
-
 /* 1 when none of the n values is NaN or +-Inf (exponent bits all ones), else 0. */
 static int row_finite(const float *x, int V) {
     int j = 0;
@@ -223,19 +200,38 @@ static int row_finite(const float *x, int V) {
     return 1;
 }
 
+/* One value per row of x [T, V]: rows claimed one at a time by the pool's threads. */
 typedef struct {
+    int op;                        /* 0 argmax (int64 out), 1 all finite (uint8 out) */
     const float *x;
-    uint8_t *out;
+    void *out;
     int T, V;
     atomic_int *next;
-} FiniteTask;
+} RowTask;
 
-static void finite_worker(void *p, int tid, int nth) {
+static void row_worker(void *p, int tid, int nth) {
     (void)tid;
     (void)nth;
-    const FiniteTask *t = (const FiniteTask *)p;
-    for (int r = atomic_fetch_add(t->next, 1); r < t->T; r = atomic_fetch_add(t->next, 1))
-        t->out[r] = (uint8_t)row_finite(t->x + (int64_t)r * t->V, t->V);
+    const RowTask *t = (const RowTask *)p;
+    for (int r = atomic_fetch_add(t->next, 1); r < t->T; r = atomic_fetch_add(t->next, 1)) {
+        const float *row = t->x + (int64_t)r * t->V;
+        if (t->op == 0)
+            ((int64_t *)t->out)[r] = argmax_row(row, t->V);
+        else
+            ((uint8_t *)t->out)[r] = (uint8_t)row_finite(row, t->V);
+    }
+}
+
+static void run_rows(int op, const float *x, int T, int V, void *out, int nthreads) {
+    atomic_int next = 0;
+    RowTask task = {op, x, out, T, V, &next};
+    evalrun_pool_run(row_worker, &task, nthreads < 1 ? 1 : nthreads > T ? (T > 0 ? T : 1) : nthreads);
+}
+
+int argmax_rows_f32(const float *x, int T, int V, int64_t *out, int nthreads) {
+    if (T < 0 || V < 1) return 1;
+    run_rows(0, x, T, V, out, nthreads);
+    return 0;
 }
 
 /* On the shared pool, not torch's threads: the sampler runs this on every step's logits, and a
@@ -243,8 +239,6 @@ static void finite_worker(void *p, int tid, int nth) {
  * kernel waited for its pool thread (argmax 0.4 -> 3 ms a step at 32 rows, 2 cores). */
 int finite_rows_f32(const float *x, int T, int V, uint8_t *out, int nthreads) {
     if (T < 0 || V < 0) return 1;
-    atomic_int next = 0;
-    FiniteTask task = {x, out, T, V, &next};
-    evalrun_pool_run(finite_worker, &task, nthreads < 1 ? 1 : nthreads > T ? (T > 0 ? T : 1) : nthreads);
+    run_rows(1, x, T, V, out, nthreads);
     return 0;
 }
