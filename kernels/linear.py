@@ -143,6 +143,7 @@ def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None
     if lin.invariant and x.device.type == "cuda":
         from . import triton_linear                   # imports triton: only on this path
         y = triton_linear.linear_triton(x.reshape(-1, x.shape[-1]).contiguous(), lin.weight, lin.bias)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if residual is None else residual + y
     if lin.panels is not None and x.device.type == "cpu":
         if x.dtype != torch.float32:            # invariant low-precision linear: float32 chains, one rounding

@@ -65,14 +65,19 @@ def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride_t, k_stride_h
     tl.store(vc_ptr + slot * (HKV * D) + idx, cast(v, vc_ptr.dtype.element_ty, EMULATE), mask=mask)
 
 
+def _rows_to_write(what: str, ok: bool, k: torch.Tensor, layer: LayerKV) -> tuple[int, int, int]:
+    """k's (rows, heads, head size) for a write its check accepted (`ok`); else ValueError."""
+    if not ok:
+        raise ValueError(f"the Triton {what} cannot take k {tuple(k.shape)} {k.device} into a "
+                         f"{layer.fmt.name} cache of {tuple(layer.k.shape)} {layer.k.dtype} on {layer.k.device}")
+    return tuple(k.shape)
+
+
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor,
                     block: int = 0) -> None:
     """Store new K/V rows in their slots, cast to the storage dtype (slots are trusted: the
     scheduler hands out slots of allocated pages)."""
-    if not supported(k, v, layer):
-        raise ValueError(f"the Triton K/V write cannot take k {tuple(k.shape)} {k.device} into a "
-                         f"{layer.fmt.name} cache of K {tuple(layer.k.shape)} {layer.k.device}")
-    t, hkv, d = k.shape
+    t, hkv, d = _rows_to_write("K/V write", supported(k, v, layer), k, layer)
     if t == 0:
         return
     block = block or min(1024, triton.next_power_of_2(hkv * d))
@@ -145,10 +150,7 @@ def quant_supported(k: torch.Tensor, v: torch.Tensor, layer: LayerKV) -> bool:
 def write_kv_quant_triton(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
     """Quantize new K/V rows into their slots' codes and scales (kernels/kv_quant.py's quantize,
     bit for bit)."""
-    if not quant_supported(k, v, layer):
-        raise ValueError(f"the Triton quantized K/V write cannot take k {tuple(k.shape)} {k.device} into a "
-                         f"{layer.fmt.name} cache of codes {tuple(layer.k.shape)} {layer.k.device}")
-    t, hkv, d = k.shape
+    t, hkv, d = _rows_to_write("quantized K/V write", quant_supported(k, v, layer), k, layer)
     if t == 0:
         return
     fmt, slots = layer.fmt, slot_mapping.to(torch.int64).contiguous()
