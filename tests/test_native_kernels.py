@@ -78,7 +78,7 @@ def _decode_native_unrotated(q, layer, table, lens, scale):
     return rotate(out, fmt.group_size)
 
 
-DECODE_SHAPES = [(9, 3, 64, 256), (8, 8, 32, 16), (4, 1, 128, 16), (6, 2, 16, 4), (4, 2, 24, 8)]
+DECODE_SHAPES = [(9, 3, 64, 256), (8, 8, 32, 16), (4, 1, 128, 16), (6, 2, 16, 4), (4, 2, 24, 8), (10, 2, 64, 16)]
 DECODE_CASES = [(mode, *shape) for mode, f in KV_FORMATS.items() for shape in DECODE_SHAPES
                 if not f.quantized or shape[2] % f.group_size == 0]   # quantized: D a multiple of G
 

@@ -102,42 +102,89 @@ static inline int load_rows(const void *cache, const uint16_t *scales, int kind,
     return n;
 }
 
-#define BLOCK 8                    /* keys scored together */
-#define VBLOCK 64                  /* values summed per pass over the accumulators */
+/* Keys scored together, and values summed per pass over the accumulators. Interleaved A/B in a C
+ * harness (30 layers of float32 pages, 32 rows x 100-400 positions, SmolLM2's 9/3 heads of 64, 2
+ * threads, AVX2, pages streamed from memory): the grouped tiles below with blocks of 16/16 took
+ * 0.88-0.92 of the time of one-head-at-a-time tiles with blocks of 8/64. */
+#define BLOCK 16
+#define VBLOCK 16
+#define ROWS_MAX (BLOCK > VBLOCK ? BLOCK : VBLOCK)
+_Static_assert(ROWS_MAX <= 64, "the scratch converts at most 64 head rows at a time");
 
-/* out[p] = q . k[p] for the n <= BLOCK keys of a block. Not inlined (nor axpys): inlined into
- * sequence() the loops ran short of registers and reloaded their row pointers from the stack
- * (1.1-1.4x slower, interleaved A/B). */
+/* out[p] = q . k[p] for the n <= BLOCK keys of a block (the path of head sizes that are not a
+ * multiple of 8; dots_group takes the others). */
 static __attribute__((noinline)) void dots(const float *q, const float *const *k, int n, int D, float *out) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if (n == BLOCK && D % 8 == 0) {               /* 8 independent chains, one 8-way reduction */
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        /* the row pointers in registers (read from the array each iteration they cost a load each) */
-        const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
-        for (int d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + d), a4);
-            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + d), a5);
-            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + d), a6);
-            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + d), a7);
-        }
-        const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
-                                            _mm256_permute2f128_ps(s0, s1, 0x31)));
-        return;
-    }
-#endif
     for (int p = 0; p < n; p++) {
         float s = 0.0f;
         #pragma omp simd reduction(+:s)
         for (int d = 0; d < D; d++) s += q[d] * k[p][d];
         out[p] = s;
     }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Scores of HG (1..3) query heads that share a KV head x 4 keys: each key row is loaded once for
+ * the HG heads (12 chains of 8 lanes at HG 3; scoring one head at a time loaded every key row HG
+ * times, and its 8-key tiles had 8 chains). Each chain runs over d in order and is reduced
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), whatever the tile, so a score does not depend
+ * on where its key falls in a block. Writes the first n (<= 4) keys' scores of head g to
+ * out + g * ostride (a tile of n < 4 repeats key 0 in the unused slots). */
+#define GACC(g)                                                                                   \
+    __m256 a##g##0 = _mm256_setzero_ps(), a##g##1 = a##g##0, a##g##2 = a##g##0, a##g##3 = a##g##0;
+#define GFMA(g)                                                                                   \
+    if (HG > g) {                                                                                 \
+        const __m256 qv = _mm256_loadu_ps(q + g * D + d);                                         \
+        a##g##0 = _mm256_fmadd_ps(qv, k0v, a##g##0);                                              \
+        a##g##1 = _mm256_fmadd_ps(qv, k1v, a##g##1);                                              \
+        a##g##2 = _mm256_fmadd_ps(qv, k2v, a##g##2);                                              \
+        a##g##3 = _mm256_fmadd_ps(qv, k3v, a##g##3);                                              \
+    }
+#define GOUT(g)                                                                                   \
+    if (HG > g) {                                                                                 \
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a##g##0, a##g##1), _mm256_hadd_ps(a##g##2, a##g##3)); \
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));      \
+        if (n == 4) _mm_storeu_ps(out + g * ostride, r);                                          \
+        else { float t_[4]; _mm_storeu_ps(t_, r); for (int p = 0; p < n; p++) out[g * ostride + p] = t_[p]; } \
+    }
+static inline __attribute__((always_inline)) void dots_tile(const int HG, const float *q, const float *const *k,
+                                                             int n, int D, float *out, int64_t ostride) {
+    const float *k0 = k[0], *k1 = k[n > 1 ? 1 : 0], *k2 = k[n > 2 ? 2 : 0], *k3 = k[n > 3 ? 3 : 0];
+    GACC(0) GACC(1) GACC(2)
+    for (int d = 0; d < D; d += 8) {
+        const __m256 k0v = _mm256_loadu_ps(k0 + d), k1v = _mm256_loadu_ps(k1 + d), k2v = _mm256_loadu_ps(k2 + d),
+                     k3v = _mm256_loadu_ps(k3 + d);
+        GFMA(0) GFMA(1) GFMA(2)
+    }
+    GOUT(0) GOUT(1) GOUT(2)
+}
+#undef GACC
+#undef GFMA
+#undef GOUT
+#endif
+
+/* Not inlined (nor axpys_group): inlined into sequence() such loops ran short of registers and
+ * reloaded their row pointers from the stack (1.1-1.4x slower, interleaved A/B).
+ * out[g * ostride + p] = q[g] . k[p] for the G query heads (rows of q, stride D) that share these
+ * n <= BLOCK keys. */
+static __attribute__((noinline)) void dots_group(const float *q, int G, const float *const *k, int n, int D,
+                                                  float *out, int64_t ostride) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        for (int g = 0; g < G;) {
+            const int hg = G - g >= 3 ? 3 : G - g;
+            for (int p = 0; p < n; p += 4) {
+                const int m = n - p < 4 ? n - p : 4;
+                float *o = out + g * ostride + p;
+                if (hg == 3) dots_tile(3, q + (int64_t)g * D, k + p, m, D, o, ostride);
+                else if (hg == 2) dots_tile(2, q + (int64_t)g * D, k + p, m, D, o, ostride);
+                else dots_tile(1, q + (int64_t)g * D, k + p, m, D, o, ostride);
+            }
+            g += hg;
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < G; g++) dots(q + (int64_t)g * D, k, n, D, out + g * ostride);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -168,6 +215,67 @@ static __attribute__((noinline)) void axpys(float *acc, const float *w, const fl
         #pragma omp simd
         for (int d = d0; d < D; d++) acc[d] += wp * v[p][d];
     }
+}
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* acc[g][d0 .. d0 + 32) += sum over p of w[g][p] * v[p][d0 ..] for HG (1..3) query heads that share
+ * the values: 4 HG accumulators in registers, each value row loaded once for the HG heads, one chain
+ * per 8 columns with positions in order (the chains of axpy_span, so the sums are the same bits). */
+#define VACC(g)                                                                                   \
+    __m256 c##g##0, c##g##1, c##g##2, c##g##3;                                                    \
+    if (HG > g) {                                                                                 \
+        c##g##0 = _mm256_loadu_ps(acc + g * D + d0); c##g##1 = _mm256_loadu_ps(acc + g * D + d0 + 8); \
+        c##g##2 = _mm256_loadu_ps(acc + g * D + d0 + 16); c##g##3 = _mm256_loadu_ps(acc + g * D + d0 + 24); \
+    }
+#define VFMA(g)                                                                                   \
+    if (HG > g) {                                                                                 \
+        const __m256 wb = _mm256_set1_ps(w[g * ws + p]);                                          \
+        c##g##0 = _mm256_fmadd_ps(wb, v0, c##g##0); c##g##1 = _mm256_fmadd_ps(wb, v1, c##g##1);   \
+        c##g##2 = _mm256_fmadd_ps(wb, v2, c##g##2); c##g##3 = _mm256_fmadd_ps(wb, v3, c##g##3);   \
+    }
+#define VOUT(g)                                                                                   \
+    if (HG > g) {                                                                                 \
+        _mm256_storeu_ps(acc + g * D + d0, c##g##0); _mm256_storeu_ps(acc + g * D + d0 + 8, c##g##1); \
+        _mm256_storeu_ps(acc + g * D + d0 + 16, c##g##2); _mm256_storeu_ps(acc + g * D + d0 + 24, c##g##3); \
+    }
+static inline __attribute__((always_inline)) void axpy_tile(const int HG, float *acc, const float *w, int64_t ws,
+                                                             const float *const *v, int n, int d0, int D) {
+    VACC(0) VACC(1) VACC(2)
+    for (int p = 0; p < n; p++) {
+        const float *vp = v[p] + d0;
+        const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8), v2 = _mm256_loadu_ps(vp + 16),
+                     v3 = _mm256_loadu_ps(vp + 24);
+        VFMA(0) VFMA(1) VFMA(2)
+    }
+    VOUT(0) VOUT(1) VOUT(2)
+}
+#undef VACC
+#undef VFMA
+#undef VOUT
+#endif
+
+/* acc[g][D] += sum over the n values of a block of w[g][p] * v[p] for the G query heads (acc rows
+ * of D, weight rows of stride ws) that share these values. */
+static __attribute__((noinline)) void axpys_group(float *acc, int G, const float *w, int64_t ws,
+                                                   const float *const *v, int n, int D) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 32 == 0) {
+        for (int g = 0; g < G;) {
+            const int hg = G - g >= 3 ? 3 : G - g;
+            float *a = acc + (int64_t)g * D;
+            const float *wg = w + g * ws;
+            for (int d0 = 0; d0 < D; d0 += 32) {
+                if (hg == 3) axpy_tile(3, a, wg, ws, v, n, d0, D);
+                else if (hg == 2) axpy_tile(2, a, wg, ws, v, n, d0, D);
+                else axpy_tile(1, a, wg, ws, v, n, d0, D);
+            }
+            g += hg;
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < G; g++) axpys(acc + (int64_t)g * D, w + g * ws, v, n, D);
 }
 
 #include "simd_math.h"
@@ -233,13 +341,13 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         return;
     }
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
-    const float *rows[VBLOCK];
+    const float *rows[ROWS_MAX];
     Window wk = {a->wk, a->w_kind, a->wk ? a->win_start[b] : L, a->wk ? (int64_t)a->win_slot[b] * a->WW : 0};
     Window wv = wk;
     wv.store = a->wv;
     /* Positions outer, KV heads inner: a block of slots is read whole, in memory order (a slot
      * holds every head), instead of one head's slice per pass over the context. */
-    int64_t slot[VBLOCK], ahead[VBLOCK];
+    int64_t slot[ROWS_MAX], ahead[ROWS_MAX];
     for (int p0 = 0; p0 < L; p0 += BLOCK) {
         const int n = L - p0 < BLOCK ? L - p0 : BLOCK, in_cache = block_slots(pages, S, p0, n, &wk, slot);
         if (a->k_kind == KIND_F32 && p0 + PFD < L) {
@@ -248,10 +356,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         }
         for (int h = 0; h < Hkv; h++) {
             load_rows(a->k, a->k_scale, a->k_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wk);
-            for (int g = 0; g < Gq; g++) {
-                const int hq = h * Gq + g;
-                dots(q + (int64_t)hq * D, rows, n, D, scores + hq * lmax + p0);
-            }
+            dots_group(q + (int64_t)h * Gq * D, Gq, rows, n, D, scores + h * Gq * lmax + p0, lmax);
         }
     }
     for (int hq = 0; hq < Hq; hq++) {
@@ -272,10 +377,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
             if (ahead_n > h * share)                /* the next block, a share before each head's pass */
                 prefetch_rows(a->v, ahead + h * share, ahead_n - h * share < share ? ahead_n - h * share : share, W);
             load_rows(a->v, a->v_scale, a->v_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wv);
-            for (int g = 0; g < Gq; g++) {
-                const int hq = h * Gq + g;
-                axpys(acc + (int64_t)hq * D, scores + hq * lmax + p0, rows, n, D);
-            }
+            axpys_group(acc + (int64_t)h * Gq * D, Gq, scores + h * Gq * lmax + p0, lmax, rows, n, D);
         }
     }
     for (int hq = 0; hq < Hq; hq++)
