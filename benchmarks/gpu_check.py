@@ -79,7 +79,7 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_decode(rows: int, ctx: int, fmt_name: str, hq: int = 32, hkv: int = 8, d: int = 128,
                  page: int = 256) -> dict:
-    from kernels.attention import build_metadata, decode_torch
+    from kernels.attention import build_metadata, decode_gather, decode_torch
     from kernels.triton_attention import decode_triton
     gen = torch.Generator().manual_seed(rows)
     layer, tables, null_page = _paged_layer(fmt_name, rows, ctx, page, hkv, d, gen)
@@ -98,7 +98,7 @@ def bench_decode(rows: int, ctx: int, fmt_name: str, hq: int = 32, hkv: int = 8,
     res["triton_share_of_4.8TBps"] = res["triton_bandwidth_TBps"] * 1e12 / H200_BYTES_PER_S
     if fmt_name == "bf16":      # the same K/V dense [B, Hkv, L, D]: SDPA's own kernel, no page table
         from kernels.cache_ops import gather_kv
-        k, v = gather_kv(layer, meta.decode_slots.view(-1), torch.bfloat16)
+        k, v = gather_kv(layer, decode_gather(meta)[0].view(-1), torch.bfloat16)
         k, v = (x.view(rows, ctx, hkv, d).transpose(1, 2).contiguous() for x in (k, v))
         qd = q[:, :, None]                                                                 # [B, Hq, 1, D]
         sdpa = lambda: F.scaled_dot_product_attention(qd, k, v, scale=scale, enable_gqa=True)  # noqa: E731

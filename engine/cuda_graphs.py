@@ -181,7 +181,7 @@ class DecodeGraphs:
             cu_seqlens_q=torch.arange(size + 1, **i32), cu_seqlens_k=torch.arange(size + 1, **i32),
             seq_lens_k=torch.ones(size, **i32), max_seqlen_q=1, max_seqlen_k=self.max_len,
             page_table=torch.full((size, self.max_pages), self.null_page, **i32), page_size=self.page_size,
-            num_decode=size, decode_slots=None, decode_mask=None, prefill=[])
+            num_decode=size, decode_slots=None, decode_mask=None, prefill=[], null_page=self.null_page)
         i64 = dict(dtype=torch.long, device=dev)
         return ForwardBatch(input_ids=torch.zeros(size, **i64), positions=torch.zeros(size, **i64),
                             slot_mapping=torch.full((size,), -1, **i64), attn=attn,
