@@ -86,6 +86,21 @@ def test_gemm_is_batch_invariant(n, k, m, tiles):
     assert torch.equal(gemm.gemm(x[perm], panels, n, b, r[perm]), full[perm])
 
 
+@pytest.mark.parametrize("n,m", [(32768, 32), (32776, 40), (32771, 33)])
+def test_gemm_large_few_row_outputs_match_and_stay_invariant(n, m, tiles):
+    """Calls of under 256 rows whose output reaches 2^20 floats (a decode step's LM head) write y with
+    non-temporal stores where N is a multiple of 8 (the last case is not): the same values,
+    bitwise those of each row alone (a 1-row call writes normally)."""
+    w, b, x, r = _case(n, 24, m, seed=n + m)
+    assert m * n >= 1 << 20
+    panels = gemm.pack(w)
+    full = gemm.gemm(x, panels, n, b, r)
+    torch.testing.assert_close(full.double(), _reference(x, w, b, r), rtol=1e-5, atol=1e-4)
+    for i in (0, m // 2, m - 1):
+        assert torch.equal(gemm.gemm(x[i:i + 1], panels, n, b, r[i:i + 1]), full[i:i + 1])
+    assert torch.equal(gemm.gemm(x[:8], panels, n, b, r[:8]), full[:8])
+
+
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 5), (576, 1536), (48, 1)])
 @pytest.mark.parametrize("m", [1, 2, 3, 9, 32, 300])
 def test_the_avx512_and_avx2_tiles_give_bitwise_the_same_outputs(n, k, m):

@@ -103,6 +103,7 @@ typedef struct {
     int M, N, K, np;
     int chunks;                    /* the panel units are split into this many ranges, */
     atomic_int next;               /* claimed one at a time by the threads */
+    int stream;                    /* y written with non-temporal stores (see gemm_f32) */
 } Gemm;
 
 /* Ranges of panel units [ub, ue) claimed until none are left: a thread that the OS takes off its
@@ -125,7 +126,8 @@ static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *a
         float *y = g->y + (int64_t)(i0 + r) * g->N + c0;
         /* the same columns R rows on (the next tile's): their lines arrive while these are stored,
          * instead of each store waiting for its line (in a prefill call y is tens of MB) */
-        for (int j = 0; j < cols; j += 16) _mm_prefetch((const char *)(y + (int64_t)R * g->N + j), _MM_HINT_T0);
+        if (!g->stream)
+            for (int j = 0; j < cols; j += 16) _mm_prefetch((const char *)(y + (int64_t)R * g->N + j), _MM_HINT_T0);
         const float *res = g->residual ? g->residual + (int64_t)(i0 + r) * g->N + c0 : 0;
         const float *b = g->bias ? g->bias + c0 : 0;
         int j = 0;
@@ -133,7 +135,8 @@ static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *a
             __m256 v = _mm256_loadu_ps(a + j);
             if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + j));
             if (res) v = _mm256_add_ps(_mm256_loadu_ps(res + j), v);
-            _mm256_storeu_ps(y + j, v);
+            if (g->stream) _mm256_stream_ps(y + j, v);      /* aligned: see gemm_f32 */
+            else _mm256_storeu_ps(y + j, v);
         }
         for (; j < cols; j++) {
             float v = a[j];
@@ -352,6 +355,7 @@ static void run_part(void *ctx, int tid, int nth) {
         else
             blocked_rows(g, pb, pe, 6, 1, avx2_tile);
     }
+    if (g->stream) _mm_sfence();    /* the streamed rows visible before the call returns */
 }
 
 
@@ -457,6 +461,7 @@ static void run_part_z(void *ctx, int tid, int nth) {
             epilogue(g, 0, g->M, q, P, carry);
         }
     }
+    if (g->stream) _mm_sfence();
 }
 #define GEMM_Z 1
 #else
@@ -471,7 +476,13 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
 #if GEMM_SIMD
     if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
     if (M == 0) return 0;
-    Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW, 1, 0};
+    Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW, 1, 0, 0};
+    /* A decode step's LM head writes megabytes of logits while it streams the weights: the lines
+     * would be read in only to be overwritten, and are evicted by the weights before the sampler
+     * reads them. Non-temporal stores skip that read (interleaved A/B, 32 x 49152 x 576, 2 threads,
+     * AVX2: 0.955 of the time); prefill-sized calls (M >= LARGE_M) gained nothing. Every 8-column
+     * store must be 32-byte aligned: y aligned and N a multiple of 8. */
+    g.stream = M < LARGE_M && (int64_t)M * N >= (1 << 20) && N % 8 == 0 && ((uintptr_t)y & 31) == 0;
     int nth = nthreads < 1 ? 1 : nthreads;
     if (nth > g.np) nth = g.np;
     /* below ~64k multiply-adds a second thread costs more than it saves */
