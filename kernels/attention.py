@@ -88,14 +88,17 @@ class AttentionMetadata:
     # what a kernel derived from this metadata for its first layer, kept for the others (by kernel)
     kernel_args: dict[str, Any] = field(default_factory=dict)
     null_page: int = 0             # the page that decode_gather points masked positions at
+    # host copies of (page_table, seq_lens_k) that build_metadata made them from (decode_gather
+    # reads them: a device's tensors, the meta device's included, need not be readable on the host)
+    host_tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def decode_gather(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """(decode_slots, decode_mask) of the decode group, made once per metadata."""
     if meta.decode_slots is None or meta.decode_mask is None:
         nd = meta.num_decode
-        slots, mask = _decode_gather(meta.page_table[:nd].cpu(), meta.seq_lens_k[:nd].cpu(), meta.page_size,
-                                     meta.null_page)
+        table, lens = meta.host_tables or (meta.page_table.cpu(), meta.seq_lens_k.cpu())
+        slots, mask = _decode_gather(table[:nd], lens[:nd], meta.page_size, meta.null_page)
         dev = meta.page_table.device
         meta.decode_slots, meta.decode_mask = slots.to(dev), mask.to(dev)
     return meta.decode_slots, meta.decode_mask
@@ -135,7 +138,7 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], page_tables: list[lis
         seq_lens_k=lens.to(device), max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens),
         page_table=table.to(device),
         page_size=page_size, num_decode=num_decode,
-        decode_slots=None, decode_mask=None, null_page=null_page,
+        decode_slots=None, decode_mask=None, null_page=null_page, host_tables=(table, lens),
         prefill=prefill, window=window, window_slots=win_slots, window_starts=win_starts,
         window_store_decode=store_decode, window_store_prefill=store_prefill,
     )
