@@ -148,7 +148,7 @@ class Model:
             for i, layer in enumerate(self.layers):
                 x = self._attention(i, layer, x, cos, sin, batch, cache)      # x + attention
                 h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-                x = linear(self.kernels.silu_mul(linear(h, layer.w_gate_up)), layer.w_down, residual=x)
+                x = linear(self.kernels.gate_up_silu(h, layer.w_gate_up), layer.w_down, residual=x)
         return self._head(x, batch.logits_indices)
 
     def _head(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

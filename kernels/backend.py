@@ -29,10 +29,11 @@ from typing import Optional
 
 import torch
 
-from . import fused, kv_quant_native, paged_decode, paged_prefill
+from . import fused, gemm, kv_quant_native, paged_decode, paged_prefill
 from .attention import AttentionMetadata, attend
 from .cache_ops import copy_page_prefix_torch, write_kv_torch
 from .kv_format import KVFormat, LayerKV
+from .linear import Linear, linear
 from .kv_quant import rotate
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class TorchKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused [gate | up] projection output."""
         return fused.silu_mul_reference(gate_up)
+
+    def gate_up_silu(self, h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+        """silu(gate) * up of the fused [gate | up] projection of h."""
+        return self.silu_mul(linear(h, gate_up))
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         """Which implementation runs each op for a cache in `fmt` (recorded in run manifests)."""
@@ -119,6 +124,16 @@ class NativeCpuKernels(TorchKernels):
         if self._fused and fused.supported(gate_up):
             return fused.silu_mul_native(gate_up)
         return fused.silu_mul_reference(gate_up)
+
+    def gate_up_silu(self, h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+        """On the native GEMM's panels (float32, no bias), the SiLU runs in the GEMM's epilogue
+        (kernels/gemm.py gemm_silu: the same bits as the two calls, without the [T, 2I] product)."""
+        if (self._fused and gate_up.panels is not None and gate_up.bias is None
+                and h.dtype == torch.float32 and h.device.type == "cpu"):
+            out = gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
+            if out is not None:
+                return out
+        return super().gate_up_silu(h, gate_up)
 
     def describe(self, fmt: KVFormat) -> dict[str, str]:
         out = super().describe(fmt)

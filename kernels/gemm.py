@@ -26,6 +26,7 @@ SIGNATURES = {
     "gemm_packed_floats": (_I64, [_I32, _I32]),
     "gemm_pack_f32": (_I32, [_P, _I32, _I32, _P]),
     "gemm_f32": (_I32, [_P, _I32, _I32, _I64, _P, _I32, _P, _P, _P, _I32]),
+    "gemm_silu_f32": (_I32, [_P, _I32, _I32, _I64, _P, _I32, _P, _I32]),
     "gemm_width": (_I32, []),
     "gemm_set_width": (_I32, [_I32]),
 }
@@ -115,3 +116,26 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
     if rc != 0:
         raise ValueError(f"gemm cannot take x {tuple(x.shape)} with N={n}")
     return y
+
+
+def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.Tensor]:
+    """silu(x @ W_gate^T) * (x @ W_up^T) [M, I] for a packed [gate | up] weight of 2I rows, in one
+    pass (the [M, 2I] product is never written): bitwise silu_mul of `gemm`'s output. None where
+    this path does not apply (AVX-512 tiles in use, 1-2 rows, I not a multiple of 16): the caller
+    then makes the two calls."""
+    lib = _lib()
+    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = x.shape
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or panels.numel() != lib.gemm_packed_floats(2 * i, k)):
+        raise ValueError(f"gemm_silu takes float32 CPU rows [M, K] matching the packed [2I, K] weight, got "
+                         f"{tuple(x.shape)} {x.dtype} {x.device} for I={i}")
+    out = torch.empty(m, i, dtype=torch.float32)
+    rc = lib.gemm_silu_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), i, out.data_ptr(),
+                           torch.get_num_threads())
+    if rc == 2:
+        return None
+    if rc != 0:
+        raise ValueError(f"gemm_silu cannot take x {tuple(x.shape)} with I={i}")
+    return out

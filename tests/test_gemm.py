@@ -179,3 +179,37 @@ def test_linear_backend_choice(monkeypatch):
     monkeypatch.setenv("EVALRUN_NATIVE", "0")
     assert gemm.unavailable_reason() == "native kernels are disabled (EVALRUN_NATIVE=0)"
     assert linear_backend("cpu", torch.float32) in ("onednn-prepacked", "torch")
+
+
+@pytest.mark.parametrize("i,k", [(1536, 576), (48, 24), (16, 7)])
+@pytest.mark.parametrize("m", [3, 5, 32, 65, 300])
+def test_gemm_silu_is_bitwise_the_two_calls(i, k, m):
+    """The gate/up GEMM with SiLU in its epilogue: bitwise silu_mul(gemm(...)) (so the fused decode
+    step stays bitwise the per-op path), close to the float64 reference, and the same bits for a
+    row whatever rows share the call."""
+    from kernels import fused
+    if gemm.width() != 256:
+        pytest.skip("the fused path runs on the AVX2 tiles (AVX-512 tiles in use: the two calls run)")
+    if not fused.available():
+        pytest.skip("native fused ops unavailable")
+    w, _, x, _ = _case(2 * i, k, m, seed=i + k + m)
+    panels = gemm.pack(w)
+    out = gemm.gemm_silu(x, panels, i)
+    assert out is not None and out.shape == (m, i)
+    assert torch.equal(out, fused.silu_mul_native(gemm.gemm(x, panels, 2 * i)))
+    gu = _reference(x, w)
+    torch.testing.assert_close(out.double(), F.silu(gu[:, :i]) * gu[:, i:], rtol=1e-4, atol=1e-4 * k ** 0.5)
+    for lo, size in ((0, 3), (m - 3, 3), (1, max(3, m - 1))):
+        if lo + size <= m:
+            assert torch.equal(gemm.gemm_silu(x[lo:lo + size], panels, i), out[lo:lo + size])
+
+
+def test_gemm_silu_declines_what_it_does_not_take():
+    """1-2 rows, or I not a multiple of 16: None (the caller makes the two calls); a weight of
+    another size: ValueError."""
+    w, _, x, _ = _case(2 * 40, 16, 8, seed=9)
+    assert gemm.gemm_silu(x, gemm.pack(w), 40) is None
+    w, _, x, _ = _case(2 * 32, 16, 8, seed=9)
+    assert gemm.gemm_silu(x[:2], gemm.pack(w), 32) is None
+    with pytest.raises(ValueError, match="gemm_silu"):
+        gemm.gemm_silu(x, gemm.pack(w), 48)

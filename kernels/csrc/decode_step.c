@@ -15,6 +15,8 @@
  * These are the very functions the per-op path calls from Python (this file includes their
  * sources), in the same order on the same data, so the step's output is bitwise the same as
  * that path's; only the ~10 Python calls per layer (~3 ms per step at 30 layers) are gone.
+ * One exception, with the same bits: where gemm_silu_supported (3+ rows, the AVX2 tiles), the
+ * SiLU runs in the gate/up GEMM's epilogue (gemm_silu_f32; its time is profiled as gate/up).
  * kernels/decode_step.py builds the layer table and decides when this path applies.
  *
  *   DecodeLayer   per layer: norm weights [H], packed weights (gemm_pack_f32), qkv bias [Q] or
@@ -95,7 +97,7 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     const int nthreads = th->gemm, norm_threads = th->norm, act_threads = th->act, attn_threads = th->attn;
     float *h = work, *qkv = h + (int64_t)T * H, *q = qkv + (int64_t)T * Q, *o = q + (int64_t)T * Hq * D;
     float *gu = o + (int64_t)T * Hq * D, *act = gu + (int64_t)T * 2 * I, *scratch = act + (int64_t)T * I;
-    const int prof = profile_on;
+    const int prof = profile_on, fuse_silu = gemm_silu_supported(T, I);
     double t0 = prof ? now_s() : 0.0;
 #define STAGE(i, call)                                                                            \
     if (call) return l + 1;                                                                       \
@@ -114,8 +116,12 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
                               0, 0))
         STAGE(4, gemm_f32(o, T, Hq * D, Hq * D, ly->wo, H, 0, x, x, nthreads))
         STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
-        STAGE(5, gemm_f32(h, T, H, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads))
-        STAGE(6, silu_mul_f32(gu, act, T, I, act_threads))
+        if (fuse_silu) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
+            STAGE(5, gemm_silu_f32(h, T, H, H, ly->w_gate_up, I, act, nthreads))
+        } else {
+            STAGE(5, gemm_f32(h, T, H, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads))
+            STAGE(6, silu_mul_f32(gu, act, T, I, act_threads))
+        }
         STAGE(7, gemm_f32(act, T, I, I, ly->w_down, H, 0, x, x, nthreads))
     }
 #undef STAGE

@@ -63,15 +63,8 @@ static void silu_mul_row(const float *gu, float *out, int I) {
     const float *g = gu, *u = gu + I;
     int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    for (; j + 8 <= I; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));            /* exp(-|g|) */
-        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
-        const __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, pos);   /* g >= 0: 1/(1+e) */
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + j)));
-    }
+    for (; j + 8 <= I; j += 8)
+        _mm256_storeu_ps(out + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
 #endif
     for (; j < I; j++) {
         const float e = expf(-fabsf(g[j]));

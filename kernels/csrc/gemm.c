@@ -39,6 +39,7 @@
 #endif
 
 #include "pool.h"
+#include "simd_math.h"
 
 #define PW 16                       /* columns per panel */
 #define A_BLOCK_BYTES (192 * 1024)  /* rows of x kept hot while the panels stream */
@@ -104,6 +105,8 @@ typedef struct {
     int chunks;                    /* the panel units are split into this many ranges, */
     atomic_int next;               /* claimed one at a time by the threads */
     int stream;                    /* y written with non-temporal stores (see gemm_f32) */
+    int pair;                      /* gemm_silu_f32: the gate panels (I / 16), else 0 */
+    float *act;                    /* gemm_silu_f32's output [M, I] */
 } Gemm;
 
 /* Ranges of panel units [ub, ue) claimed until none are left: a thread that the OS takes off its
@@ -144,6 +147,17 @@ static void epilogue(const Gemm *g, int i0, int R, int p0, int P, const float *a
             if (res) v = res[j] + v;
             y[j] = v;
         }
+    }
+}
+
+/* gemm_silu_f32: rows i0.. of gate panel p0 (sums acc_g [R][16]) and its up panel (acc_u) ->
+ * act = silu(gate) * up, the very operations of silu_mul_f32 (fused_ops.c), so the same bits. */
+static void epilogue_silu(const Gemm *g, int i0, int R, int p0, const float *acc_g, const float *acc_u) {
+    const int I = g->pair * PW;
+    for (int r = 0; r < R; r++) {
+        float *out = g->act + (int64_t)(i0 + r) * I + p0 * PW;
+        for (int j = 0; j < PW; j += 8)
+            _mm256_storeu_ps(out + j, silu_mul8(_mm256_loadu_ps(acc_g + r * PW + j), _mm256_loadu_ps(acc_u + r * PW + j)));
     }
 }
 
@@ -302,7 +316,7 @@ static void blocked_rows(const Gemm *g, int pb, int pe, const int MR, const int 
     /* k-blocks when the rows are one block (a decode step: weights stream from memory once);
      * many blocks (prefill) run each tile over all of k, which saves the carry traffic */
     const int one_block = g->M < mc + MR, nkb = one_block ? (K + KC - 1) / KC : 1, kc = (K + nkb - 1) / nkb;
-    float carry[CARRY_FLOATS];
+    float carry[CARRY_FLOATS], carry_up[CARRY_FLOATS];
     const int stride = MR * PG * PW;                 /* one tile's carry */
     for (int i0 = 0, i1; i0 < g->M; i0 = i1) {
         /* blocks of mc rows; the last block takes the rest (and a rest under MR rows joins the
@@ -312,25 +326,34 @@ static void blocked_rows(const Gemm *g, int pb, int pe, const int MR, const int 
         const int n = i1 - i0, t = (n + MR - 1) / MR;
         for (int q = pb; q < pe; q += PG) {
             const int P = pe - q < PG ? pe - q : PG;
-            const float *panel = g->packed + q * ps;
-            for (int k0 = 0; k0 < K; k0 += kc) {
-                const int kn = k0 + kc <= K ? kc : K - k0;
-                /* the slice after this one (the rest of these panels, else the next group's first),
-                 * prefetched in equal parts by the tiles */
-                const int rest = k0 + kn < K ? K - k0 - kn : (q + P < g->np ? K : 0);
-                const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
-                const float *next = k0 + kn < K ? panel + (int64_t)(k0 + kn) * PW : panel + P * ps;
-                for (int j = 0, i = i0; j < t; j++) {
-                    const int R = n / t + (j < n % t);
-                    const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
-                    tile(R, P, g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, ps, k0, kn,
-                         carry + j * stride, k0 == 0, next + (int64_t)lo * PW, hi - lo);
-                    i += R;
+            /* gemm_silu_f32 (pair): gate panel q, then its up panel q + pair into carry_up */
+            for (int half = 0; half < (g->pair ? 2 : 1); half++) {
+                const float *panel = g->packed + (q + half * g->pair) * ps;
+                float *c = half ? carry_up : carry;
+                /* after the last slice: the up panel (pair, gate half), else the next group */
+                const int more = g->pair ? (half == 0 || q + P < g->pair) : q + P < g->np;
+                const float *after = g->pair && half == 0 ? g->packed + (q + g->pair) * ps
+                                                          : g->packed + (q + P) * ps;
+                for (int k0 = 0; k0 < K; k0 += kc) {
+                    const int kn = k0 + kc <= K ? kc : K - k0;
+                    /* the slice after this one (the rest of these panels, else the next group's
+                     * first), prefetched in equal parts by the tiles */
+                    const int rest = k0 + kn < K ? K - k0 - kn : (more ? K : 0);
+                    const int lines = rest < kc ? rest : kc, per = (lines + t - 1) / t;
+                    const float *next = k0 + kn < K ? panel + (int64_t)(k0 + kn) * PW : after;
+                    for (int j = 0, i = i0; j < t; j++) {
+                        const int R = n / t + (j < n % t);
+                        const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
+                        tile(R, P, g->x + (int64_t)i * g->ldx, g->ldx, panel + (int64_t)k0 * PW, ps, k0, kn,
+                             c + j * stride, k0 == 0, next + (int64_t)lo * PW, hi - lo);
+                        i += R;
+                    }
                 }
             }
             for (int j = 0, i = i0; j < t; j++) {
                 const int R = n / t + (j < n % t);
-                epilogue(g, i, R, q, P, carry + j * stride);
+                if (g->pair) epilogue_silu(g, i, R, q, carry + j * stride, carry_up + j * stride);
+                else epilogue(g, i, R, q, P, carry + j * stride);
                 i += R;
             }
         }
@@ -348,7 +371,7 @@ static void avx2_tile(int R, int P, const float *x0, int64_t ldx, const float *b
 static void run_part(void *ctx, int tid, int nth) {
     (void)tid; (void)nth;
     Gemm *g = (Gemm *)ctx;
-    for (int pb, pe; claim(g, g->np, &pb, &pe);) {
+    for (int pb, pe; claim(g, g->pair ? g->pair : g->np, &pb, &pe);) {
         if (pb >= pe) continue;
         if (g->M <= 2)
             few_rows(g, pb, pe);
@@ -476,7 +499,7 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
 #if GEMM_SIMD
     if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
     if (M == 0) return 0;
-    Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW, 1, 0, 0};
+    Gemm g = {x, packed, bias, residual, y, ldx, M, N, K, (N + PW - 1) / PW, 1, 0, 0, 0, 0};
     /* A decode step's LM head writes megabytes of logits while it streams the weights: the lines
      * would be read in only to be overwritten, and are evicted by the weights before the sampler
      * reads them. Non-temporal stores skip that read (interleaved A/B, 32 x 49152 x 576, 2 threads,
@@ -498,6 +521,36 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
 #else
     (void)x; (void)M; (void)K; (void)ldx; (void)packed; (void)N; (void)bias; (void)residual; (void)y;
     (void)nthreads;
+    return 1;
+#endif
+}
+
+/* act[M, I] = silu(x W_gate^T) * (x W_up^T) for a packed [gate | up] weight of 2I rows (a gated
+ * MLP's input projection and its activation in one pass: the [M, 2I] product is never written).
+ * Each output is silu_mul_f32 of gemm_f32's own sums, so bitwise the same as the two calls.
+ * Returns 0; 2 (nothing done) where this path does not apply: AVX-512 tiles in use, 1-2 rows, or I
+ * not a multiple of 16 (the caller then makes the two calls); 1 on invalid sizes. */
+int gemm_silu_supported(int M, int I) {
+#if GEMM_SIMD
+    return M > 2 && I > 0 && I % PW == 0 && gemm_width() == 256;
+#else
+    (void)M; (void)I;
+    return 0;
+#endif
+}
+
+int gemm_silu_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int I, float *act, int nthreads) {
+#if GEMM_SIMD
+    if (M < 0 || I < 1 || K < 1 || ldx < K) return 1;
+    if (!gemm_silu_supported(M, I)) return 2;
+    Gemm g = {x, packed, 0, 0, 0, ldx, M, 2 * I, K, 2 * I / PW, 1, 0, 0, I / PW, act};
+    int nth = nthreads < 1 ? 1 : nthreads;
+    if (nth > g.pair) nth = g.pair;
+    if ((int64_t)M * 2 * I * K < 65536) nth = 1;
+    if (nth > 1) g.chunks = nth * (M >= LARGE_M ? GEMM_CHUNKS_LARGE : GEMM_CHUNKS);
+    return evalrun_pool_run(run_part, &g, nth);
+#else
+    (void)x; (void)M; (void)K; (void)ldx; (void)packed; (void)I; (void)act; (void)nthreads;
     return 1;
 #endif
 }

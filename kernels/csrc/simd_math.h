@@ -30,6 +30,21 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* silu(g) * u on 8 lanes, silu(g) = g * sigmoid(g) with sigmoid from e = exp(-|g|) (never
+ * overflows): shared by fused_ops.c's silu_mul and gemm.c's fused gate/up epilogue, so the two
+ * give the same bits. */
+static inline __m256 silu_mul8(__m256 gv, __m256 uv) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(gv, _mm256_set1_ps(-0.0f)));   /* exp(-|g|) */
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+    const __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, pos);        /* g >= 0: 1/(1+e) */
+    return _mm256_mul_ps(_mm256_mul_ps(gv, sig), uv);
+}
+
+#endif
+
 #if defined(__AVX512F__)
 /* The same exp(x) for x <= 0 on 16 lanes: lane for lane the operations of exp_nonpositive, so the
  * results are bitwise those of the 8-lane version. Its own code, not two 8-lane halves: the halves
