@@ -86,18 +86,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rows(x: torch.Tensor, panels: torch.Tensor, n: int, what: str) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and x as [M, K] rows with contiguous columns, checked against panels of N rows."""
+    lib = _lib()
+    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu"
+            or panels.numel() != lib.gemm_packed_floats(n, x.shape[1])):
+        raise ValueError(f"{what} takes float32 CPU rows [M, K] matching the packed weight's K, got "
+                         f"{tuple(x.shape)} {x.dtype} {x.device} for N={n}")
+    return lib, x
+
+
+def _ldx(x: torch.Tensor) -> int:
+    """x's row stride; one row: its width (torch may report any row stride for it)."""
+    return x.stride(0) if x.shape[0] > 1 else x.shape[1]
+
+
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """residual + (x @ W^T + bias) for x [M, K] float32 CPU rows (columns contiguous), W packed by
     `pack`; bias [N] and residual [M, N] float32 or None. Returns a new [M, N] tensor."""
-    lib = _lib()
-    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+    lib, x = _rows(x, panels, n, "gemm")
     m, k = x.shape
-    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu"
-            or panels.numel() != lib.gemm_packed_floats(n, k)):
-        raise ValueError(f"gemm takes float32 CPU rows [M, K] matching the packed weight's K, got "
-                         f"{tuple(x.shape)} {x.dtype} {x.device} for N={n}")
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
         if bias.shape != (n,):
@@ -109,8 +120,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    ldx = x.stride(0) if m > 1 else k           # one row: torch may report any row stride for it
-    rc = lib.gemm_f32(x.data_ptr(), m, k, ldx, panels.data_ptr(), n,
+    rc = lib.gemm_f32(x.data_ptr(), m, k, _ldx(x), panels.data_ptr(), n,
                       None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                       y.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -123,16 +133,10 @@ def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.T
     pass (the [M, 2I] product is never written): bitwise silu_mul of `gemm`'s output. None where
     this path does not apply (AVX-512 tiles in use, 1-2 rows, I not a multiple of 16): the caller
     then makes the two calls."""
-    lib = _lib()
-    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+    lib, x = _rows(x, panels, 2 * i, "gemm_silu")
     m, k = x.shape
-    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu"
-            or panels.numel() != lib.gemm_packed_floats(2 * i, k)):
-        raise ValueError(f"gemm_silu takes float32 CPU rows [M, K] matching the packed [2I, K] weight, got "
-                         f"{tuple(x.shape)} {x.dtype} {x.device} for I={i}")
     out = torch.empty(m, i, dtype=torch.float32)
-    rc = lib.gemm_silu_f32(x.data_ptr(), m, k, x.stride(0), panels.data_ptr(), i, out.data_ptr(),
+    rc = lib.gemm_silu_f32(x.data_ptr(), m, k, _ldx(x), panels.data_ptr(), i, out.data_ptr(),
                            torch.get_num_threads())
     if rc == 2:
         return None

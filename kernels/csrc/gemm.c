@@ -493,6 +493,22 @@ static void run_part_z(void *ctx, int tid, int nth) {
 
 #endif
 
+#if GEMM_SIMD
+/* The threads for a call over `units` claimable panel units (at most one each), and the claim
+ * ranges they share (g->chunks). */
+static int plan_threads(Gemm *g, int units, int nthreads) {
+    int nth = nthreads < 1 ? 1 : nthreads;
+    if (nth > units) nth = units;
+    /* below ~64k multiply-adds a second thread costs more than it saves */
+    if ((int64_t)g->M * g->N * g->K < 65536) nth = 1;
+    /* one or two rows stream the weights from memory: one long range per thread keeps each stream
+     * whole (ranges of a sixteenth made a 1-row call 1.25x slower here); more rows claim smaller ones,
+     * calls of LARGE_M rows or more fewer (each range re-reads x) */
+    if (nth > 1) g->chunks = g->M <= 2 ? nth : nth * (g->M >= LARGE_M ? GEMM_CHUNKS_LARGE : GEMM_CHUNKS);
+    return nth;
+}
+#endif
+
 /* Returns 0, or 1 (nothing done) when the library lacks AVX2/FMA or a size is invalid. */
 int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int N, const float *bias,
              const float *residual, float *y, int nthreads) {
@@ -506,14 +522,7 @@ int gemm_f32(const float *x, int M, int K, int64_t ldx, const float *packed, int
      * AVX2: 0.955 of the time); prefill-sized calls (M >= LARGE_M) gained nothing. Every 8-column
      * store must be 32-byte aligned: y aligned and N a multiple of 8. */
     g.stream = M < LARGE_M && (int64_t)M * N >= (1 << 20) && N % 8 == 0 && ((uintptr_t)y & 31) == 0;
-    int nth = nthreads < 1 ? 1 : nthreads;
-    if (nth > g.np) nth = g.np;
-    /* below ~64k multiply-adds a second thread costs more than it saves */
-    if ((int64_t)M * N * K < 65536) nth = 1;
-    /* one or two rows stream the weights from memory: one long range per thread keeps each stream
-     * whole (ranges of a sixteenth made a 1-row call 1.25x slower here); more rows claim smaller ones,
-     * calls of LARGE_M rows or more fewer (each range re-reads x) */
-    if (nth > 1) g.chunks = M <= 2 ? nth : nth * (M >= LARGE_M ? GEMM_CHUNKS_LARGE : GEMM_CHUNKS);
+    const int nth = plan_threads(&g, g.np, nthreads);
 #if GEMM_Z
     if (gemm_width() == 512) return evalrun_pool_run(run_part_z, &g, nth);
 #endif
@@ -544,11 +553,7 @@ int gemm_silu_f32(const float *x, int M, int K, int64_t ldx, const float *packed
     if (M < 0 || I < 1 || K < 1 || ldx < K) return 1;
     if (!gemm_silu_supported(M, I)) return 2;
     Gemm g = {x, packed, 0, 0, 0, ldx, M, 2 * I, K, 2 * I / PW, 1, 0, 0, I / PW, act};
-    int nth = nthreads < 1 ? 1 : nthreads;
-    if (nth > g.pair) nth = g.pair;
-    if ((int64_t)M * 2 * I * K < 65536) nth = 1;
-    if (nth > 1) g.chunks = nth * (M >= LARGE_M ? GEMM_CHUNKS_LARGE : GEMM_CHUNKS);
-    return evalrun_pool_run(run_part, &g, nth);
+    return evalrun_pool_run(run_part, &g, plan_threads(&g, g.pair, nthreads));   /* units: gate panels */
 #else
     (void)x; (void)M; (void)K; (void)ldx; (void)packed; (void)I; (void)act; (void)nthreads;
     return 1;
