@@ -132,6 +132,54 @@ def test_tiny_every_position_through_shared_prefix_pages(tiny_model_factory) -> 
     assert stats["prefill_tokens"] < stats["prompt_tokens"]
 
 
+def _prefill_forward(model: Model, prompts: Sequence[Sequence[int]], rows: Optional[list[int]],
+                     page_size: int = 16) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One packed prefill forward of `prompts` on a fresh cache, logits at `rows` of the batch
+    (None: every row); returns the logits and every layer's K and V at the slots written."""
+    from engine.model import ForwardBatch
+    from kernels.attention import build_metadata
+    cache = PagedCache(model, max_tokens=1024, page_size=page_size, mode="fp32")
+    ids, positions, slots, tables, page = [], [], [], [], 0
+    for prompt in prompts:
+        n_pages = -(-len(prompt) // page_size)
+        table = list(range(page, page + n_pages))
+        page += n_pages
+        tables.append(table)
+        ids.extend(prompt)
+        positions.extend(range(len(prompt)))
+        slots.extend(table[p // page_size] * page_size + p % page_size for p in range(len(prompt)))
+    lens = [len(p) for p in prompts]
+    attn = build_metadata(lens, lens, tables, page_size, cache.null_page, model.device)
+    every = list(range(len(ids)))
+    batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), attn,
+                         torch.tensor(every if rows is None else rows, dtype=torch.long))
+    logits = model.eager_forward(batch, cache)
+    written = torch.tensor(slots)
+    return logits, [t.flatten(0, 1).index_select(0, written) for t in cache.k + cache.v]
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_tiny_last_layer_runs_only_the_logit_rows(tiny_model_factory, backend: str) -> None:
+    """A forward that needs logits at a few rows runs the last layer's output projection and MLP
+    on those rows alone: their logits are bitwise the rows of a forward that computes every row,
+    and the K/V written at every position (the last layer's too) are bitwise the same."""
+    from kernels.backend import TorchKernels
+    model_dir = tiny_model_factory("llama", seed=13)
+    model = Model.load(model_dir, dtype="float32", kernels=TorchKernels() if backend == "torch" else None)
+    vocab = model.config.vocab_size
+    prompts = [random_prompt(n, vocab, seed=100 + n) for n in (5, 17, 33)]
+    last_rows = [4, 21, 54]                                           # each prompt's last token
+    every, kv_every = _prefill_forward(model, prompts, None)
+    some, kv_some = _prefill_forward(model, prompts, last_rows)
+    assert torch.equal(some, every[last_rows])
+    assert all(torch.equal(a, b) for a, b in zip(kv_some, kv_every))
+    picked, _ = _prefill_forward(model, prompts, [21, 3])              # any rows, any order
+    assert torch.equal(picked, every[[21, 3]])
+    hf = load_hf(model_dir)
+    for prompt, logits in zip(prompts, some):
+        assert max_diff(logits, hf_logits(hf, prompt, [len(prompt) - 1])[0]) <= TINY_TOL
+
+
 def test_tiny_prompt_cache_after_defragment(tiny_model_factory) -> None:
     """Pages cached by finished jobs, moved by the idle-time defragment, still give exact logits."""
     model_dir = tiny_model_factory("llama", seed=15)
