@@ -19,7 +19,7 @@ from .scheduler import ScheduledChunk, Scheduler
 from .speculation import DraftPolicy, SpecSettings, max_draft
 from .tokenizer import Tokenizer
 from .types import GeneratorResult, GeneratorStats
-from .verify import choose_tokens, mark_nonfinite
+from .verify import check_rows, choose_tokens
 
 _COUNTERS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
              "peak_batch_size", "forward_passes", "drafted_tokens", "accepted_draft_tokens")
@@ -186,9 +186,9 @@ class DynamicGenerator:
     def _sample(self, sampled: list[ScheduledChunk], logits: torch.Tensor) -> list[GeneratorResult]:
         jobs = [ch.job for ch in sampled]
         logits_cpu = logits.cpu() if any(job.return_logits for job in jobs) else None   # as computed
-        logits = mark_nonfinite([ch.job for ch in sampled for _ in range(1 + len(ch.draft))], logits)
+        logits, top = check_rows([ch.job for ch in sampled for _ in range(1 + len(ch.draft))], logits)
         probs = [self._draft_probs.get(id(ch.job)) if ch.draft else None for ch in sampled]
-        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits, probs, self.spec.sampling_rule)
+        chosen = choose_tokens(jobs, [ch.draft for ch in sampled], logits, probs, self.spec.sampling_rule, top)
         self._draft_probs = {}
         results, row = [], 0
         for ch, kept in zip(sampled, chosen):

@@ -21,7 +21,8 @@ from .sampler import SampleResult, draw, greedy_tokens, inverse_cdf, sample, tar
 from .speculation import accept_greedy, accept_point_mass, accept_ratio, residual, residual_point_mass
 
 
-def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor:
+def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor,
+                   finite: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Count, per job, the sampled positions whose logits hold a NaN or an Inf (a broken model or
     an overflow; results carry the count as "nonfinite_logits" so a task can refuse or flag the
     row), and give the sampler finite rows in their place: NaN as -inf, +inf as the largest float,
@@ -29,8 +30,9 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor
     jobs: the job of each row (a job with a draft has several).
     The check is one pass over the logits (kernels.fused.finite_rows: natively for float32 CPU
     rows, on the kernels' own threads; a torch reduction here left torch's threads spinning into
-    the next kernels, ~3 ms a step at 32 rows on 2 cores)."""
-    bad = (~fused.finite_rows(logits)).nonzero().flatten().tolist()
+    the next kernels, ~3 ms a step at 32 rows on 2 cores); `finite`: that check's result, where
+    the caller already has it (check_rows)."""
+    bad = (~(fused.finite_rows(logits) if finite is None else finite)).nonzero().flatten().tolist()
     if not bad:
         return logits
     logits = logits.clone()
@@ -42,15 +44,30 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor) -> torch.Tensor
     return logits
 
 
+def check_rows(row_jobs: list[DynamicJob], logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """mark_nonfinite(row_jobs, logits), and where some row's job is plain greedy, every row's
+    argmax from the same visit of the rows (kernels.fused.argmax_finite_rows: one pass over the
+    logits instead of two): (the sampler's logits, their row argmax or None). The argmax is None
+    when a row was replaced (then it is not that row's argmax) or no job is plain greedy."""
+    if not any(plain_greedy(j) for j in row_jobs):
+        return mark_nonfinite(row_jobs, logits), None
+    top, finite = fused.argmax_finite_rows(logits)
+    checked = mark_nonfinite(row_jobs, logits, finite)
+    return checked, top if checked is logits else None
+
+
 def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
                   draft_probs: Optional[Sequence[Optional[Sequence[Optional[torch.Tensor]]]]] = None,
-                  rule: str = "coupled") -> list[list[SampleResult]]:
+                  rule: str = "coupled", top: Optional[torch.Tensor] = None) -> list[list[SampleResult]]:
     """Per job, the tokens it keeps; logits [sum(1 + len(d)), V], each job's rows in order.
     draft_probs: per job, the proposer's distribution q of each draft token (a draft model's), or
     None where the draft is a point mass (n-gram lookup, or a greedy draft); they are used by the
     "rejection" rule only (engine/speculation.py describes both rules).
     Plain greedy jobs (no penalties or extras) share one argmax over all their rows (stop tokens
-    banned before min_new_tokens at -inf for it, as `sample` bans them); the rest go row by row."""
+    banned before min_new_tokens at -inf for it, as `sample` bans them); the rest go row by row.
+    top: every row's argmax of these logits (check_rows), or None: where no row's argmax is one of
+    its banned tokens it is the banned argmax (banning other tokens moves neither the maximum nor
+    its first index), so the greedy rows take it without another pass."""
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + 1 + len(d))
@@ -60,7 +77,9 @@ def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]], logit
         rows = [r for i in fast for r in range(starts[i], starts[i + 1])]
         bans = [(n, t) for n, (i, r) in enumerate((i, r) for i in fast for r in range(starts[i], starts[i + 1]))
                 for t in banned(jobs[i], r - starts[i])]
-        tokens = _argmax_with_bans(logits if len(rows) == logits.shape[0] else logits[rows], bans)
+        tokens = None if top is None else top[rows].tolist()
+        if tokens is None or any(tokens[n] == t for n, t in bans):
+            tokens = _argmax_with_bans(logits if len(rows) == logits.shape[0] else logits[rows], bans)
         at = 0
         for i in fast:
             targets = tokens[at: at + 1 + len(drafts[i])]

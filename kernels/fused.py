@@ -71,6 +71,7 @@ SIGNATURES = {
     "silu_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
     "argmax_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
     "finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
+    "argmax_finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _P, _I32]),
     "rope_write_f32": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _P]),
 }
 
@@ -188,3 +189,18 @@ def finite_rows(x: torch.Tensor) -> torch.Tensor:
     torch."""
     out = _per_row("finite_rows_f32", x, torch.uint8, finite_rows_reference, 0)
     return out if out.dtype == torch.bool else out.bool()
+
+
+def argmax_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax_rows(logits), finite_rows(logits)) in one visit of each row: float32 CPU rows
+    natively (the finite check brings a row into L2, the argmax reads it there: one pass over the
+    [T, V] logits from memory instead of two), anything else the two calls."""
+    lib = _ready() if supported(logits) and logits.shape[1] >= 1 else None
+    if lib is None:
+        return argmax_rows(logits), finite_rows(logits)
+    x = logits.contiguous()
+    t, v = x.shape
+    top, ok = torch.empty(t, dtype=torch.int64), torch.empty(t, dtype=torch.uint8)
+    if lib.argmax_finite_rows_f32(x.data_ptr(), t, v, top.data_ptr(), ok.data_ptr(), num_threads(t * v, t)) != 0:
+        return argmax_rows(logits), finite_rows(logits)
+    return top, ok.bool()

@@ -139,3 +139,22 @@ def test_argmax_ties_infinities_and_nan_follow_torch():
     assert fused.argmax_rows(x[:0]).shape == (0,)
     assert torch.equal(fused.argmax_rows(x.double()), torch.argmax(x.double(), dim=-1))   # the torch path
 
+
+
+@pytest.mark.parametrize("rows,vocab", [(32, 49152), (9, 1003), (3, 1)])
+def test_argmax_finite_rows_is_both_passes_in_one(rows, vocab):
+    """The one-visit pass gives torch.argmax and torch.isfinite(...).all(-1) per row, with ties,
+    infinities and NaNs placed as in the two tests above (native and torch paths)."""
+    _need_native()
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + 3 * vocab))
+    specials = [float("nan"), float("inf"), float("-inf"), 50.0]
+    for r in range(rows):
+        kind = r % (len(specials) + 1)
+        if kind < len(specials):
+            x[r, [(r * 5) % vocab, vocab - 1]] = specials[kind]        # two of a kind: a tie, or two NaNs
+    for t in (x, x.double()):
+        top, finite = fused.argmax_finite_rows(t)
+        assert torch.equal(top, torch.argmax(t, dim=-1))
+        assert torch.equal(finite, torch.isfinite(t).all(dim=-1))
+    if rows >= 5:
+        assert finite.any() and not finite.all()

@@ -347,6 +347,32 @@ def test_settings_are_frozen():
         SamplerSettings().temperature = 1.0  # type: ignore[misc]
 
 
+def test_greedy_rows_take_the_checked_argmax_unless_it_is_banned():
+    """check_rows hands the greedy path each row's argmax from the finite check's visit; a row whose
+    argmax is a banned stop token (min_new_tokens) still gets the banned argmax, and non-finite rows
+    (replaced for the sampler) never use it: the tokens equal choose_tokens without it."""
+    from engine import DynamicJob
+    from engine.verify import check_rows, choose_tokens
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        logits = torch.randn(6, 300)
+    top = logits.argmax(dim=1)
+    jobs = [DynamicJob([1], max_new_tokens=8, min_new_tokens=4 if i % 2 else 0,
+                       stop_conditions=[int(top[i]), 7]) for i in range(6)]
+    checked, got_top = check_rows(jobs, logits)
+    assert checked is logits and torch.equal(got_top, top)
+    want = choose_tokens(jobs, [()] * 6, logits)
+    got = choose_tokens(jobs, [()] * 6, logits, top=got_top)
+    assert [r[0].token for r in got] == [r[0].token for r in want]
+    assert [int(top[i]) != r[0].token for i, r in enumerate(got)] == [False, True] * 3   # banned rows moved
+    bad = logits.clone()
+    bad[2, 5] = float("nan")
+    checked, got_top = check_rows(jobs, bad)
+    assert got_top is None and checked is not bad                          # a row was replaced
+    sampled = SamplerSettings(temperature=0.7)
+    assert check_rows([DynamicJob([1], 4, gen_settings=sampled, seed=1)], logits[:1])[1] is None   # no greedy job
+
+
 def test_batched_greedy_bans_stop_tokens_before_min_new_tokens_like_sample():
     """The one-argmax greedy path takes jobs whose stop tokens are still banned (min_new_tokens):
     each row's token is what `sample` gives on that row with the ban, and the logits the caller
