@@ -73,7 +73,8 @@ def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, war
     for _ in range(warm):
         gen.iterate()
     head = _Timer(model, "_head")
-    sample = _Timer(generator_module, "choose_tokens")
+    # sampling: the logits rows' finite check (with the greedy argmax, check_rows) and the choice
+    sample, check = _Timer(generator_module, "choose_tokens"), _Timer(generator_module, "check_rows")
     stages: dict[str, float] = {}
     wall, per_block = 0.0, []
     bounds = [steps * b // blocks for b in range(blocks + 1)]
@@ -98,10 +99,11 @@ def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, war
     finally:
         head.restore()
         sample.restore()
+        check.restore()
     ms = {name: 1e3 * s / steps for name, s in stages.items()}
     native = sum(ms.values()) > 0
     ms["lm_head (+ final norm)"] = 1e3 * head.seconds / steps
-    ms["sampling"] = 1e3 * sample.seconds / steps
+    ms["sampling"] = 1e3 * (sample.seconds + check.seconds) / steps
     ms["other (metadata, embedding, Python)"] = 1e3 * wall / steps - sum(ms.values())
     if not native:
         ms = {"layers (per-op path)": ms.pop("other (metadata, embedding, Python)"), **ms}

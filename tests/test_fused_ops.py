@@ -140,7 +140,6 @@ def test_argmax_ties_infinities_and_nan_follow_torch():
     assert torch.equal(fused.argmax_rows(x.double()), torch.argmax(x.double(), dim=-1))   # the torch path
 
 
-
 @pytest.mark.parametrize("rows,vocab", [(32, 49152), (9, 1003), (3, 1)])
 def test_argmax_finite_rows_is_both_passes_in_one(rows, vocab):
     """The one-visit pass gives torch.argmax and torch.isfinite(...).all(-1) per row, with ties,

@@ -139,6 +139,7 @@ def _prefill_forward(model: Model, prompts: Sequence[Sequence[int]], rows: Optio
     from engine.model import ForwardBatch
     from kernels.attention import build_metadata
     cache = PagedCache(model, max_tokens=1024, page_size=page_size, mode="fp32")
+    cache.fill_unused()                                                   # NaN wherever nothing is written
     ids, positions, slots, tables, page = [], [], [], [], 0
     for prompt in prompts:
         n_pages = -(-len(prompt) // page_size)
@@ -159,22 +160,32 @@ def _prefill_forward(model: Model, prompts: Sequence[Sequence[int]], rows: Optio
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-def test_tiny_last_layer_runs_only_the_logit_rows(tiny_model_factory, backend: str) -> None:
+def test_tiny_last_layer_runs_only_the_logit_rows(tiny_model_factory, backend: str, monkeypatch) -> None:
     """A forward that needs logits at a few rows runs the last layer's output projection and MLP
-    on those rows alone: their logits are bitwise the rows of a forward that computes every row,
-    and the K/V written at every position (the last layer's too) are bitwise the same."""
+    on those rows alone: their logits are bitwise the rows of a forward that computes every row
+    (the native float32 GEMM gives a row the same bits at any row count), and the K/V written at
+    every position (the last layer's too) are bitwise the same. Rows in any order, repeated, or
+    none (a chunk in which no prompt ends). The attention kernels of both backends."""
     from kernels.backend import TorchKernels
     model_dir = tiny_model_factory("llama", seed=13)
     model = Model.load(model_dir, dtype="float32", kernels=TorchKernels() if backend == "torch" else None)
-    vocab = model.config.vocab_size
+    mlp_rows: list[int] = []
+    real = model.kernels.gate_up_silu
+    monkeypatch.setattr(model.kernels, "gate_up_silu", lambda h, w: mlp_rows.append(h.shape[0]) or real(h, w))
+    vocab, layers = model.config.vocab_size, model.config.num_layers
     prompts = [random_prompt(n, vocab, seed=100 + n) for n in (5, 17, 33)]
     last_rows = [4, 21, 54]                                           # each prompt's last token
     every, kv_every = _prefill_forward(model, prompts, None)
+    assert mlp_rows == [55] * layers
+    mlp_rows.clear()
     some, kv_some = _prefill_forward(model, prompts, last_rows)
+    assert mlp_rows == [55] * (layers - 1) + [3]                      # the last layer: 3 rows only
     assert torch.equal(some, every[last_rows])
     assert all(torch.equal(a, b) for a, b in zip(kv_some, kv_every))
-    picked, _ = _prefill_forward(model, prompts, [21, 3])              # any rows, any order
-    assert torch.equal(picked, every[[21, 3]])
+    for rows in ([21, 3], [21, 21, 0], []):                           # any order, repeated, none
+        picked, kv = _prefill_forward(model, prompts, rows)
+        assert picked.shape == (len(rows), vocab) and torch.equal(picked, every[rows])
+        assert all(torch.equal(a, b) for a, b in zip(kv, kv_every))
     hf = load_hf(model_dir)
     for prompt, logits in zip(prompts, some):
         assert max_diff(logits, hf_logits(hf, prompt, [len(prompt) - 1])[0]) <= TINY_TOL

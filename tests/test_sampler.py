@@ -373,6 +373,32 @@ def test_greedy_rows_take_the_checked_argmax_unless_it_is_banned():
     assert check_rows([DynamicJob([1], 4, gen_settings=sampled, seed=1)], logits[:1])[1] is None   # no greedy job
 
 
+def test_greedy_rows_use_the_checked_argmax_without_another_pass(monkeypatch):
+    """Where no greedy row's argmax is banned, choose_tokens takes every greedy row's token from
+    `top` (the banned-argmax pass is never made: patched to fail here), with stop tokens banned
+    elsewhere in a row, a job with drafts (several rows) and a sampled job among them; the tokens
+    equal those chosen without `top`."""
+    import engine.verify as verify
+    from engine import DynamicJob
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        logits = torch.randn(6, 300)
+    top = logits.argmax(dim=1)
+    drafts = [(), (int(top[1]), (int(top[2]) + 1) % 300), (), ()]   # rows 0 | 1-3 | 4 | 5
+
+    def jobs():
+        other = [t for t in range(300) if t != int(top[0])][:2]
+        return [DynamicJob([1], 8, min_new_tokens=4, stop_conditions=other),   # banned, not the argmax
+                DynamicJob([1], 8), DynamicJob([1], 8, gen_settings=SamplerSettings(temperature=0.8), seed=3),
+                DynamicJob([1], 8)]
+
+    want = [[r.token for r in kept] for kept in verify.choose_tokens(jobs(), drafts, logits)]
+    monkeypatch.setattr(verify, "_argmax_with_bans", lambda *a: pytest.fail("the argmax was taken again"))
+    got = [[r.token for r in kept] for kept in verify.choose_tokens(jobs(), drafts, logits, top=top)]
+    assert got == want
+    assert got[0] == [int(top[0])] and got[1] == [int(top[1]), int(top[2])] and got[3] == [int(top[5])]
+
+
 def test_batched_greedy_bans_stop_tokens_before_min_new_tokens_like_sample():
     """The one-argmax greedy path takes jobs whose stop tokens are still banned (min_new_tokens):
     each row's token is what `sample` gives on that row with the ban, and the logits the caller
