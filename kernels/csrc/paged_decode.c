@@ -317,14 +317,11 @@ static float softmax_weights(float *sh, int L, float scale) {
 #define PFD 16                     /* keys prefetched this many positions ahead */
 /* Prefetch every line of the float32 slots slot[0 .. n): a sequence's slots are contiguous within
  * a page, but the hardware prefetchers lose the stream at each 4 KB boundary. Interleaved A/B
- * (32 rows x 200 positions, 30 layers, 2 threads, AVX2): 1.2-1.3x over none. The non-temporal
- * hint (each row is read once per step, by this call): 0.93-0.96 of the time of prefetcht0 at
- * 32 rows x 100/164/300 positions (same harness, six runs; pages streamed, Zen 3); a distance
- * of 32 positions gained nothing over 16 with it. */
+ * (32 rows x 200 positions, 30 layers, 2 threads, AVX2): 1.2-1.3x over none. */
 static inline void prefetch_rows(const void *cache, const int64_t *slot, int n, int W) {
     for (int p = 0; p < n; p++) {
         const char *s = (const char *)((const float *)cache + slot[p] * W);
-        for (int b = 0; b < W * 4; b += 64) __builtin_prefetch(s + b, 0, 0);
+        for (int b = 0; b < W * 4; b += 64) __builtin_prefetch(s + b, 0, 3);
     }
 }
 
