@@ -27,6 +27,7 @@ SIGNATURES = {
     "gemm_pack_f32": (_I32, [_P, _I32, _I32, _P]),
     "gemm_f32": (_I32, [_P, _I32, _I32, _I64, _P, _I32, _P, _P, _P, _I32]),
     "gemm_silu_f32": (_I32, [_P, _I32, _I32, _I64, _P, _I32, _P, _I32]),
+    "gemm_silu_supported": (_I32, [_I32, _I32]),
     "gemm_width": (_I32, []),
     "gemm_set_width": (_I32, [_I32]),
 }
@@ -135,11 +136,11 @@ def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.T
     then makes the two calls."""
     lib, x = _rows(x, panels, 2 * i, "gemm_silu")
     m, k = x.shape
+    if not lib.gemm_silu_supported(m, i):
+        return None
     out = torch.empty(m, i, dtype=torch.float32)
     rc = lib.gemm_silu_f32(x.data_ptr(), m, k, _ldx(x), panels.data_ptr(), i, out.data_ptr(),
                            torch.get_num_threads())
-    if rc == 2:
-        return None
     if rc != 0:
         raise ValueError(f"gemm_silu cannot take x {tuple(x.shape)} with I={i}")
     return out
