@@ -1,1 +1,1 @@
-import kernels  # noqa: F401  (first: it sets libgomp's spin before torch loads; kernels/__init__.py)
+import evalrun  # noqa: F401  (first: its process settings must precede torch; evalrun/process.py)

@@ -35,8 +35,8 @@ import torch
 
 from benchmarks.cache_modes_accuracy import cache_format, run_kl, run_mmlu, split_names
 from benchmarks.common import DEFAULT_MMLU_DIR, DEFAULT_OUT_DIR, TORCH_DTYPE, start_run, write_result
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
-from engine.cache import auto_cache_mode
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine.cache import auto_cache_mode
 
 NAME = "bench_cache_modes"
 PARTS = ("kl", "mmlu", "decode")
@@ -87,7 +87,7 @@ def memory_table(model: Model, names: list[str], page_size: int) -> dict[str, An
 # --- (c) decode throughput ------------------------------------------------------------
 def decode_contexts(data: Any, tokenizer: Tokenizer, jobs: int, length: int) -> list[list[int]]:
     """`jobs` prompts of exactly `length` tokens, each from its own run of solved MMLU test questions."""
-    from tasks.mmlu import LETTERS, format_question
+    from evalrun.tasks.mmlu import LETTERS, format_question
     blocks = [f"{format_question(d)} {LETTERS[d.answer]}\n\n" for s in sorted(data.test) for d in data.test[s]]
     out, cursor = [], 0
     for _ in range(jobs):
@@ -238,7 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     info, model_dir, tokenizer = start_run()
     model = Model.load(model_dir, dtype=args.dtype)
-    from tasks.mmlu_data import load_mmlu
+    from evalrun.tasks.mmlu_data import load_mmlu
     data = load_mmlu(args.data_dir)
     stored = load_stored(args)
     names = [auto_cache_mode(model.dtype)] + split_names(args.modes) + split_names(args.decode_modes)

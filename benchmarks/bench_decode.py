@@ -49,7 +49,7 @@ from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs
                                       run_floor_s, step_floor_s)
 from benchmarks.decode_curve import curve_point, humaneval_texts, report_curve
 from benchmarks.paired import OtherCpu, round_pairs
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_decode"
 NEAR_TIE = 1e-2          # a logit gap below this is labelled a near-tie (float32 noise can flip it)

@@ -19,7 +19,7 @@ import torch
 from benchmarks.bench_mmlu_shaped import DEFAULT_SUBJECTS, build_questions, choice_token_ids, run_ours as run
 from benchmarks.common import (CACHE_MODE, DEFAULT_MMLU_DIR, add_prefault_arg, base_parser, positive_int,
                                start_run, warm_up_ours, write_result)
-from engine import Model
+from evalrun.engine import Model
 
 NAME = "bench_deterministic"
 

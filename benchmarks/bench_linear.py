@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import write_result
-from kernels import gemm
-from kernels.linear import Linear, linear, onednn_available
+from evalrun.kernels import gemm
+from evalrun.kernels.linear import Linear, linear, onednn_available
 
 Variant = Callable[[torch.Tensor], torch.Tensor]
 

@@ -35,7 +35,7 @@ from benchmarks.common import (start_run, warm_up_ours, add_prefault_arg, prefau
                                load_mmlu, mmlu_prompt, positive_int, ratio, select_mmlu,
                                paired_vllm_rounds, timed, write_result)
 from benchmarks.paired import round_pairs
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_mmlu_shaped"
 DEFAULT_SUBJECTS = "abstract_algebra,anatomy,astronomy,business_ethics"

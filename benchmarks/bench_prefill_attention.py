@@ -22,10 +22,10 @@ import torch
 
 from benchmarks.common import DEFAULT_OUT_DIR, machine_info, positive_int, print_machine, write_result
 from benchmarks.machine_roofs import format_roofs, measure_roofs
-from kernels import paged_prefill
-from kernels.attention import attend, build_metadata
-from kernels.cache_ops import write_kv_torch
-from kernels.kv_format import LayerKV, kv_format
+from evalrun.kernels import paged_prefill
+from evalrun.kernels.attention import attend, build_metadata
+from evalrun.kernels.cache_ops import write_kv_torch
+from evalrun.kernels.kv_format import LayerKV, kv_format
 
 NAME = "bench_prefill_attention"
 HQ, HKV, D, PAGE = 9, 3, 64, 256

@@ -41,7 +41,7 @@ def _parcels(docs: int, per_parcel: int) -> list[Parcel]:
 
 def _store_intake(out: Path) -> Any:
     from evalrun.ray_run import StoreIntake
-    from results import RunStore
+    from evalrun.results import RunStore
     store = RunStore.open(out, {"identity": {"bench": "ray-driver"}}, ("subject", "doc_id"))
     return store, StoreIntake(out, store, {"run_id": "bench", "task": "mmlu", "cache_mode": "fp32"})
 

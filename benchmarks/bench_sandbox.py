@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import DEFAULT_OUT_DIR, machine_info, print_machine, timed, write_result
-from tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
-from tasks.sandbox.isolation import LEVELS, IsolationUnavailable
+from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.isolation import LEVELS, IsolationUnavailable
 
 TRIVIAL = CheckSpec(program="def add(a, b):\n    return a + b\n",
                     check_source="def check(candidate):\n    assert candidate(2, 3) == 5\n", entry_point="add")

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 from benchmarks.common import DEFAULT_OUT_DIR, machine_info, positive_int, print_machine, timed, write_result
 from benchmarks.machine_roofs import format_roofs, measure_roofs
 from benchmarks.spec_workloads import WORKLOADS, workload_texts
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_spec"
 PAGE = 256
@@ -64,7 +64,7 @@ def draft_options(kind: str, model_dir: Path) -> dict[str, Any]:
     if kind == "ngram":
         return {"use_ngram_draft": True}
     if kind.startswith("self:"):
-        from engine.draft_model import truncated_model
+        from evalrun.engine.draft_model import truncated_model
         return {"draft_model": truncated_model(Model.load(model_dir, dtype="float32"), int(kind[5:]))}
     return {"draft_model": Model.load(Path(kind[6:]), dtype="float32")}
 

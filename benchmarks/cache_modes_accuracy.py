@@ -20,11 +20,11 @@ from typing import Any, Optional
 
 import torch
 
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
-from engine.cache import auto_cache_mode
-from engine.model import ForwardBatch
-from kernels.attention import build_metadata
-from kernels.kv_format import KV_FORMATS, KVFormat
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine.cache import auto_cache_mode
+from evalrun.engine.model import ForwardBatch
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.kv_format import KV_FORMATS, KVFormat
 
 TF_CHUNK = 512          # teacher-forced forward: positions per forward (bounds logits memory)
 KL_ROWS = 128           # rows per float64 log-softmax
@@ -59,7 +59,7 @@ Seq = tuple[list[int], int]     # token ids, and where the reference's own greed
 
 def mmlu_kl_sequences(data: Any, tokenizer: Tokenizer, budget: int, max_len: int, seed: int) -> list[Seq]:
     """One 5-shot prompt per subject (question r of each, r = 0, 1, ...) in a seeded subject order."""
-    from tasks.mmlu import MMLUTask
+    from evalrun.tasks.mmlu import MMLUTask
     subjects = sorted(data.test)
     random.Random(seed).shuffle(subjects)
     seqs, total, r = [], 0, 0
@@ -79,7 +79,7 @@ def mmlu_kl_sequences(data: Any, tokenizer: Tokenizer, budget: int, max_len: int
 def humaneval_kl_sequences(model: Model, tokenizer: Tokenizer, budget: int, new_tokens: int,
                            page_size: int) -> list[Seq]:
     """HumanEval prompts in file order + their greedy continuation with the fp32 cache (EOS dropped)."""
-    from tasks.humaneval_data import load_humaneval
+    from evalrun.tasks.humaneval_data import load_humaneval
     prompts = [tokenizer.encode(p.prompt) for p in load_humaneval().problems]
     seqs: list[Seq] = []
     while sum(len(s) for s, _ in seqs) < budget and len(seqs) < len(prompts):
@@ -240,7 +240,7 @@ def compare_predictions(ref: str, preds: str, gold: str) -> dict[str, Any]:
 
 def run_mmlu(args: argparse.Namespace, model: Model, tokenizer: Tokenizer, data: Any,
              stored: dict[str, Any], save: Any) -> dict[str, Any]:
-    from tasks.mmlu import LETTERS, MMLUTask
+    from evalrun.tasks.mmlu import LETTERS, MMLUTask
     subjects, limit = mmlu_subjects(data, args.mmlu_questions)
     task = MMLUTask(data=data, subjects=subjects, limit=limit)
     gold = "".join(LETTERS[d.answer] for d in task.docs())

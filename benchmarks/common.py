@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from evalrun import process
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "bench_out"
 DEFAULT_MMLU_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"   # ../shared beside the checkout
@@ -36,8 +38,8 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     """The options every benchmark takes: --dtype, --skip-baseline, --out."""
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
     parser.add_argument("--dtype", choices=sorted(TORCH_DTYPE), default="float32",
-                        help="weights/activations dtype of BOTH engines (default float32: this "
-                             "machine has no bf16 instructions); the KV cache matches it")
+                        help="weights/activations dtype of BOTH engines (default float32); the KV cache "
+                             "matches it")
     parser.add_argument("--skip-baseline", action="store_true", help="time only our engine")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / f"{name}.json",
                         help=f"JSON result file (default: bench_out/{name}.json)")
@@ -122,7 +124,7 @@ def machine_info() -> dict[str, Any]:
 
 def start_run() -> tuple[dict[str, Any], Path, Any]:
     """Print the machine, then return (machine info, demo model dir, its engine Tokenizer)."""
-    from engine import Tokenizer
+    from evalrun.engine import Tokenizer
     from evalrun.demo import ensure_demo_model
 
     info = machine_info()
@@ -213,7 +215,7 @@ def select_mmlu(test: Any, subjects: list[str], n: int) -> list[Any]:
 
 def warm_up_ours(model: Any, tokenizer: Any, mode: str, page_size: int, prompt: str) -> None:
     """One short job on a throw-away cache: our prefill and decode paths run once before timing."""
-    from engine import DynamicGenerator, DynamicJob, PagedCache
+    from evalrun.engine import DynamicGenerator, DynamicJob, PagedCache
     cache = PagedCache(model, max_tokens=2 * page_size, page_size=page_size, mode=mode)
     generator = DynamicGenerator(model, cache, tokenizer)
     generator.enqueue(DynamicJob(tokenizer.encode(prompt), max_new_tokens=2))
@@ -227,8 +229,7 @@ def vllm_runner_command(python: Path, runner: str, model_dir: Path, dtype: str, 
     reading `src` and writing `dst`: all cores bound (VLLM_CPU_OMP_THREADS_BIND=0-N unless set),
     without the environment evalrun set for itself."""
     script = Path(__file__).resolve().parent / runner
-    import kernels                                                # what evalrun set for itself, not for the peer
-    env = {k: v for k, v in os.environ.items() if k not in kernels.SET_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in process.SET_ENV}   # evalrun's own settings stay ours
     env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")                 # GiB

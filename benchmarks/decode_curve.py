@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.common import CACHE_MODE
 from benchmarks.machine_roofs import ModelWork, Roofs, format_roofs, step_floor_s
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 
 def humaneval_texts() -> list[str]:

@@ -29,10 +29,10 @@ import torch
 from benchmarks.decode_curve import curve_prompts
 from benchmarks.common import warm_up_ours, write_result
 from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work, sgemm_gflops
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
-from engine import generator as generator_module
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import generator as generator_module
 from evalrun.demo import ensure_demo_model
-from kernels import decode_step
+from evalrun.kernels import decode_step
 
 LINEAR_STAGES = ("qkv", "o_proj", "gate_up", "down")
 

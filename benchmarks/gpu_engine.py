@@ -195,7 +195,7 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 def ours_scores(model: Any, prompts: list[list[int]], page_size: int, mode: str, **gen_kw: Any) -> torch.Tensor:
-    from engine import DynamicGenerator, DynamicJob, PagedCache
+    from evalrun.engine import DynamicGenerator, DynamicJob, PagedCache
     cache = PagedCache(model, max_tokens=65536, page_size=page_size, mode=mode)
     gen = DynamicGenerator(model, cache, **gen_kw)
     gen.enqueue([DynamicJob(p, max_new_tokens=1, return_logits=True, identifier=i) for i, p in enumerate(prompts)])
@@ -208,7 +208,7 @@ def ours_scores(model: Any, prompts: list[list[int]], page_size: int, mode: str,
 
 
 def ours_greedy(model: Any, prompts: list[list[int]], new: int, page_size: int, mode: str) -> list[list[int]]:
-    from engine import DynamicGenerator, DynamicJob, PagedCache
+    from evalrun.engine import DynamicGenerator, DynamicJob, PagedCache
     cache = PagedCache(model, max_tokens=65536, page_size=page_size, mode=mode)
     gen = DynamicGenerator(model, cache)
     gen.enqueue([DynamicJob(p, max_new_tokens=new, identifier=i) for i, p in enumerate(prompts)])
@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="a tiny float32 model on the CPU")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from engine import Model
+    from evalrun.engine import Model
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")
     dtype, mode, page = (torch.float32, "fp32", 16) if dry else (torch.bfloat16, "bf16", 256)

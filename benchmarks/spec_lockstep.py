@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from benchmarks.bench_spec import PAGE
 from benchmarks.common import positive_int
 from benchmarks.spec_workloads import WORKLOADS, workload_texts
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 
 def _generator(model: Model, tokenizer: Tokenizer, prompts: list[list[int]], new_tokens: int,

@@ -22,9 +22,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.common import DEFAULT_OUT_DIR, machine_info, positive_int, print_machine, write_result
-from engine import Model, PagedCache
-from engine.model import ForwardBatch
-from kernels.attention import build_metadata
+from evalrun.engine import Model, PagedCache
+from evalrun.engine.model import ForwardBatch
+from evalrun.kernels.attention import build_metadata
 
 NAME = "verify_rows_cost"
 PROMPT, PAGE = 300, 256

@@ -11,7 +11,7 @@ import threading
 import warnings
 from typing import Iterator, Optional, Sequence
 
-from evalrun import __version__
+from evalrun.version import VersionAction
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1            # the run stopped on a fault found while running (errors.RunFailed)
@@ -23,7 +23,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
         description=("Offline LLM evaluation harness on its own dynamic generator "
                      "(paged KV cache, continuous batching, prefix dedup, prompt caching)."),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     mmlu = sub.add_parser("mmlu", help="MMLU 5-shot (57 subjects, 14,042 questions) by next-token log-probs",
                           description="Evaluate a model on MMLU in lm-evaluation-harness's default format; "

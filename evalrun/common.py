@@ -25,7 +25,7 @@ def check_flush_args(args: argparse.Namespace) -> None:
 def stored_run(out_dir: Path, overwrite: bool) -> Optional[dict[str, Any]]:
     """The manifest of the run in `out_dir` to resume (None: a new run, or --overwrite). Checks the
     directory either way: not a run dir, an unreadable manifest or a run in use are refused here."""
-    from results import inspect_run
+    from evalrun.results import inspect_run
     stored = inspect_run(out_dir)
     return None if overwrite else stored
 
@@ -52,7 +52,7 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 
 def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
-    from engine import Model, Tokenizer
+    from evalrun.engine import Model, Tokenizer
     try:
         model = Model.load(model_dir, dtype=cfg.dtype, device=cfg.device, deterministic=cfg.deterministic,
                            cuda_graphs=cfg.cuda_graphs)
@@ -62,7 +62,7 @@ def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
 
 
 def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
-    from engine import DynamicGenerator, Model, PagedCache
+    from evalrun.engine import DynamicGenerator, Model, PagedCache
     try:
         cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode,
                            max_memory=cfg.cache_memory, max_jobs=cfg.max_batch_size, window=cfg.cache_window)
@@ -82,7 +82,7 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
 def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
     """The part of a run's resume identity that the model and engine settings decide (resolved
     values; a quantized mode's recent-token window too, which changes its answers)."""
-    from engine.cache import resolve_format
+    from evalrun.engine.cache import resolve_format
     out = {"model_fingerprint": fp["model_fingerprint"], "tokenizer_fingerprint": fp["tokenizer_fingerprint"],
            "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode}
     if cfg.deterministic:                    # absent when off: runs from before the setting resume as off
@@ -97,8 +97,8 @@ def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
 def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, identity: dict[str, Any],
                   shard: "Optional[TaskShard]" = None, **extra: Any) -> dict[str, Any]:
     """A new run's manifest; a shard's identity also names the shard and its selection."""
-    from results import environment_info
-    from results.manifest import utc_now
+    from evalrun.results import environment_info
+    from evalrun.results.manifest import utc_now
     if shard is not None:
         identity, extra = {**identity, **shard.identity()}, {**extra, "shard": shard.record()}
     return {
@@ -112,8 +112,8 @@ def cache_plan(cfg: EngineConfig, model_dir: Path) -> dict[str, Any]:
     """The KV cache these settings build for this model, from its config.json alone (no weights):
     checks that the mode can store the model's heads and that the memory holds a page
     (BadInput otherwise), before anything is loaded."""
-    from engine.cache import plan_cache
-    from engine.config import ModelConfig
+    from evalrun.engine.cache import plan_cache
+    from evalrun.engine.config import ModelConfig
     try:
         config = ModelConfig.load(model_dir)
         plan = plan_cache(config, cfg.cache_mode, cfg.page_size, cfg.cache_tokens, cfg.cache_memory,
@@ -139,7 +139,7 @@ def _physical_memory() -> Optional[int]:
 
 
 def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, Any]:
-    from engine import kernel_backends
+    from evalrun.engine import kernel_backends
     return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
             "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
             "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, model_dir),
@@ -161,6 +161,6 @@ def clean(obj: Any) -> Any:
 
 def generator_throughput(generator: Any, start: float) -> dict[str, Any]:
     """This session's generation figures (see results.Throughput)."""
-    from results import throughput
+    from evalrun.results import throughput
     stats = generator.stats()
     return throughput(stats["prompt_tokens"], stats["prefill_tokens"], time.time() - start, stats["generated_tokens"])

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from evalrun.errors import BadInput
 
 if TYPE_CHECKING:                        # the parsers are built without pandas; the commands import it
-    from results.compare import Comparison, GroupResult
-    from results.run_reader import RunData
-    from tasks.registry import TaskSpec
+    from evalrun.results.compare import Comparison, GroupResult
+    from evalrun.results.run_reader import RunData
+    from evalrun.tasks.registry import TaskSpec
 
 EXIT_REGRESSION = 1
 FORMATS = ("table", "markdown", "csv", "json", "html")      # results.compare_format.FORMATS
@@ -29,9 +29,9 @@ OVERALL = "overall"                                           # results.compare.
 
 def load_runs(paths: Sequence[str], allow_different_data: bool = False) -> "tuple[list[RunData], TaskSpec]":
     """Finished runs of one task, or BadInput naming the run and the problem."""
-    from results.errors import RunReadError
-    from results.run_reader import load_finished_run
-    from tasks.registry import task_spec
+    from evalrun.results.errors import RunReadError
+    from evalrun.results.run_reader import load_finished_run
+    from evalrun.tasks.registry import task_spec
     try:
         runs = [load_finished_run(p) for p in paths]
     except RunReadError as exc:
@@ -69,8 +69,8 @@ def compare_dirs(paths: Sequence[str], baseline: int = 0, by: Optional[str] = No
                  labels: Optional[Sequence[str]] = None, level: float = 0.95, n_boot: int = 10000,
                  seed: int = 0, selection: Optional[Sequence[tuple]] = None,
                  allow_different_data: bool = False) -> "Comparison":
-    from results.compare import compare_runs
-    from results.errors import CompareError
+    from evalrun.results.compare import compare_runs
+    from evalrun.results.errors import CompareError
     runs, spec = load_runs(paths, allow_different_data)
     try:
         return compare_runs(runs, spec, baseline, by or spec.default_by, labels, level, n_boot, seed, selection)
@@ -134,8 +134,8 @@ def _check_stats_args(args: argparse.Namespace, default_level: float = 0.95) -> 
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from results.compare import run_labels
-    from results.compare_format import render
+    from evalrun.results.compare import run_labels
+    from evalrun.results.compare_format import render
     _check_stats_args(args)
     paths = list(args.run_dirs)
     baseline = 0
@@ -190,8 +190,8 @@ def check_gate_args(max_drop: float, alpha: float) -> None:
 def regress_comparison(base_dir: str, cand_dir: str, by: Optional[str] = None, level: float = 0.95,
                        n_boot: int = 10000, seed: int = 0, allow_different_data: bool = False) -> "Comparison":
     """Candidate against baseline, grouped by the task's finest grouping unless `by` says otherwise."""
-    from results.compare import compare_runs
-    from results.errors import CompareError
+    from evalrun.results.compare import compare_runs
+    from evalrun.results.errors import CompareError
     runs, spec = load_runs([base_dir, cand_dir], allow_different_data)
     try:
         return compare_runs(runs, spec, 0, by or next(iter(spec.groupings), "none"), ["baseline", "candidate"],

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from engine.auto import (AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_deterministic,
+from evalrun.engine.auto import (AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_deterministic,
                          choose_device, choose_dtype)
 from evalrun.errors import BadInput
 
@@ -78,8 +78,8 @@ def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], ru
                   facts: Optional[HostFacts] = None) -> EngineConfig:
     """Resolve --device/--dtype/--cache-mode. `auto` takes the stored run's values when resuming
     (so a run resumes the same on another host), else the host's best choice."""
-    from engine.auto import host_facts
-    from engine.cache import CACHE_MODES
+    from evalrun.engine.auto import host_facts
+    from evalrun.engine.cache import CACHE_MODES
 
     facts = facts or host_facts()
     kept = (stored or {}).get("identity", {})
@@ -106,7 +106,7 @@ def _deterministic(requested: str, dtype: str, device: str, facts: HostFacts, st
                    run_dir: Path) -> Choice:
     """--deterministic resolved; `auto` resumes a stored run as it was made (a run from before the
     setting existed, whose identity lacks it: off)."""
-    from kernels.linear import invariant_unavailable_reason
+    from evalrun.kernels.linear import invariant_unavailable_reason
     unavailable = invariant_unavailable_reason(device)
     if requested == AUTO and stored is not None:
         kept = "on" if stored.get("identity", {}).get("deterministic") else "off"

@@ -30,11 +30,11 @@ _WRITE_HINTS = {
 
 
 def as_bad_input(exc: BaseException) -> Optional[BadInput]:
-    from engine.config import ConfigError
-    from engine.tokenizer import TokenizerError
-    from engine.weights import WeightsError
-    from tasks.base import TaskDataError
-    from results import NotARunDirError, ResumeMismatchError, RunDirBusyError
+    from evalrun.engine.config import ConfigError
+    from evalrun.engine.tokenizer import TokenizerError
+    from evalrun.engine.weights import WeightsError
+    from evalrun.tasks.base import TaskDataError
+    from evalrun.results import NotARunDirError, ResumeMismatchError, RunDirBusyError
 
     user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TokenizerError, TaskDataError,
                    ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from engine import SamplerSettings
+from evalrun.engine import SamplerSettings
 from evalrun.common import (base_manifest, check_flush_args, clean, engine_identity, model_manifest, model_name,
                             resolve_model_dir, stored_run)
 from evalrun.engine_config import EngineConfig, engine_config
@@ -20,13 +20,13 @@ from evalrun.humaneval_samples import export_samples, read_samples_file, score_s
 from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
 from evalrun.ray_run import ray_options
 from evalrun.shard import TaskShard, parse_shard, take_shard
-from results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
+from evalrun.results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
                      write_summary)
-from results.manifest import utc_now
-from tasks.humaneval import HumanEvalSettings, HumanEvalTask, summarize_rows
-from tasks.humaneval_data import HumanEvalData, load_humaneval
-from tasks.sandbox import Sandbox, SandboxLimits
-from tasks.sandbox.isolation import IsolationUnavailable
+from evalrun.results.manifest import utc_now
+from evalrun.tasks.humaneval import HumanEvalSettings, HumanEvalTask, summarize_rows
+from evalrun.tasks.humaneval_data import HumanEvalData, load_humaneval
+from evalrun.tasks.sandbox import Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.isolation import IsolationUnavailable
 
 SCORE_KEYS = ("task_id", "sample_idx")
 

@@ -13,10 +13,10 @@ from typing import Any
 from tqdm import tqdm
 
 from evalrun.errors import BadInput
-from results import RunStore
-from tasks.humaneval import submit_check
-from tasks.humaneval_data import HumanEvalData, read_jsonl
-from tasks.sandbox import Sandbox
+from evalrun.results import RunStore
+from evalrun.tasks.humaneval import submit_check
+from evalrun.tasks.humaneval_data import HumanEvalData, read_jsonl
+from evalrun.tasks.sandbox import Sandbox
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,12 @@ _MISSING = "<missing>"
 
 
 def _summarize_mmlu(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict], dict]:
-    from tasks.mmlu import summarize_subjects
+    from evalrun.tasks.mmlu import summarize_subjects
     return summarize_subjects(rows, groups)              # MMLU's prefix groups are its subjects, in order
 
 
 def _summarize_humaneval(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict], dict]:
-    from tasks.humaneval import summarize_rows
+    from evalrun.tasks.humaneval import summarize_rows
     return summarize_rows(rows)
 
 
@@ -95,7 +95,7 @@ def run_merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = Path(args.output_dir)
     _check_output_dir(out, shards, args.overwrite)
     rows, overall = write_merged(out, sorted(shards, key=lambda s: s.index), argv, args.overwrite)
-    from tasks.registry import task_spec
+    from evalrun.tasks.registry import task_spec
     metric = task_spec(shards[0].manifest["task"]).aggregate
     value = overall.get(metric)
     shown = "-" if value is None or value != value else f"{value:.4f}"
@@ -106,8 +106,8 @@ def run_merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def load_shard(path: Path) -> ShardRun:
     """A finished shard run, or BadInput naming the directory and what it is not."""
-    from results.errors import RunReadError
-    from results.run_reader import finished_manifest, read_finished_rows
+    from evalrun.results.errors import RunReadError
+    from evalrun.results.run_reader import finished_manifest, read_finished_rows
     try:
         manifest = finished_manifest(path)
         rows = read_finished_rows(path, manifest)
@@ -196,8 +196,8 @@ def _check_output_dir(out: Path, shards: Sequence[ShardRun], overwrite: bool) ->
 def merged_manifest(shards: Sequence[ShardRun], argv: Sequence[str]) -> dict[str, Any]:
     """The first shard's manifest less its sessions' fields, with the whole run's identity."""
     from evalrun.shard import SHARD_IDENTITY_KEYS
-    from results import environment_info
-    from results.manifest import utc_now
+    from evalrun.results import environment_info
+    from evalrun.results.manifest import utc_now
     first = shards[0].manifest
     manifest = {k: v for k, v in first.items() if k not in SESSION_FIELDS}
     manifest["identity"] = {k: v for k, v in first["identity"].items() if k not in SHARD_IDENTITY_KEYS}
@@ -213,8 +213,8 @@ def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
                  overwrite: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Write the merged run into `out` (shards in index order); returns its rows and overall summary."""
     from evalrun.common import clean
-    from results import RunStore, read_prompts, write_prompts, write_summary
-    from results.manifest import utc_now
+    from evalrun.results import RunStore, read_prompts, write_prompts, write_summary
+    from evalrun.results.manifest import utc_now
     first = shards[0].manifest
     with RunStore.open(out, merged_manifest(shards, argv), first["key_columns"], overwrite=overwrite,
                        flush_rows=sys.maxsize, flush_seconds=_NEVER) as store:

@@ -12,9 +12,9 @@ from evalrun.errors import BadInput
 from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
 from evalrun.ray_run import ray_options
 from evalrun.shard import TaskShard, parse_shard, take_shard
-from results import fingerprint_model_dir
-from tasks.mmlu import PROMPT_FORMAT, MMLUTask
-from tasks.mmlu_groups import GROUP_DISPLAY_NAME
+from evalrun.results import fingerprint_model_dir
+from evalrun.tasks.mmlu import PROMPT_FORMAT, MMLUTask
+from evalrun.tasks.mmlu_groups import GROUP_DISPLAY_NAME
 
 
 def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 from evalrun.common import clean, generator_throughput, load_model, make_generator
 from evalrun.engine_config import EngineConfig, announce
 from evalrun.runner import run_task
-from results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
+from evalrun.results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
                      write_summary)
-from results.manifest import utc_now
-from tasks.base import Task
+from evalrun.results.manifest import utc_now
+from evalrun.tasks.base import Task
 
 if TYPE_CHECKING:
     from evalrun.ray_actor import ReplicaSetup

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 from evalrun.engine_config import EngineConfig
-from tasks.base import Answer, DocPlan, Task
+from evalrun.tasks.base import Answer, DocPlan, Task
 
 Put = Callable[[tuple[str, Any]], None]
 EVALRUN_TEST_FAIL = "test hook: this document fails on every replica:"

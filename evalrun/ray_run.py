@@ -30,7 +30,7 @@ from evalrun.errors import BadInput, RunFailed
 if TYPE_CHECKING:
     from evalrun.engine_config import EngineConfig
     from evalrun.pipeline import PreparedRun
-    from results import RunStore
+    from evalrun.results import RunStore
 
 PAUSE_ENV = "EVALRUN_TEST_PAUSE_REPLICA"      # tests: ROWS:PIDFILE (evalrun/ray_actor.py ReplicaHooks)
 DELAY_ENV = "EVALRUN_TEST_REPLICA_DELAY"      # tests: SECONDS after each message
@@ -146,7 +146,7 @@ class StoreIntake:
     _executing: set[Future] = field(default_factory=set)
 
     def add(self, rows: list[dict[str, Any]], prompts: Mapping[str, str]) -> None:
-        from results import write_prompts
+        from evalrun.results import write_prompts
         new = {h: text for h, text in prompts.items() if h not in self._prompts}
         if new:
             write_prompts(self.run_dir, new)          # before the rows that reference them
@@ -174,7 +174,7 @@ class StoreIntake:
                   "rerun computes them", file=sys.stderr)
 
     def _store(self, row: dict[str, Any]) -> None:
-        from tasks.base import NONFINITE_COLUMN
+        from evalrun.tasks.base import NONFINITE_COLUMN
         self.store.add(row)
         self.rows += not row.get("skipped")
         self.skipped += bool(row.get("skipped"))
@@ -203,7 +203,7 @@ def ray_generate(p: "PreparedRun") -> int:
     from evalrun.ray_actor import ReplicaSpec
     from evalrun.ray_backend import RayBackend, ray_instance
     from evalrun.units import replica_parcels
-    from results import throughput
+    from evalrun.results import throughput
     opts, run = p.ray, p.run
     assert opts is not None
     say_resuming(run, p.todo)

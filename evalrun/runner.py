@@ -11,9 +11,9 @@ from typing import Any, Callable, Optional
 
 from tqdm import tqdm
 
-from engine import DynamicGenerator, DynamicJob
+from evalrun.engine import DynamicGenerator, DynamicJob
 from evalrun.errors import NonFiniteLogits
-from tasks.base import NONFINITE_COLUMN, Answer, DocPlan, Request, Task
+from evalrun.tasks.base import NONFINITE_COLUMN, Answer, DocPlan, Request, Task
 
 ON_NONFINITE = ("error", "flag")
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from evalrun.errors import BadInput
 from evalrun.units import WorkUnit, assign_shards, shard_units, units_digest
-from tasks.base import Task
+from evalrun.tasks.base import Task
 
 SHARD_IDENTITY_KEYS = ("shard", "shard_selection")       # in a shard's identity only
 _SPEC = re.compile(r"(\d+)/(\d+)")

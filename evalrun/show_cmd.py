@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from evalrun.errors import BadInput
-from results import inspect_run, read_prompts, read_samples
+from evalrun.results import inspect_run, read_prompts, read_samples
 
 RULE = "-" * 78
 

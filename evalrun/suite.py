@@ -275,8 +275,8 @@ def _write_tables(suite: Suite, selections: list[list[tuple]]) -> None:
     import json
 
     from evalrun.compare_cmd import compare_dirs
-    from results.atomic import atomic_write_text
-    from results.compare_format import render_csv, render_markdown, render_table
+    from evalrun.results.atomic import atomic_write_text
+    from evalrun.results.compare_format import render_csv, render_markdown, render_table
     markdown, csv_parts, records = [], [], []
     for task in dict.fromkeys(e.task for e in suite.entries):
         entries = [e for e in suite.entries if e.task == task]

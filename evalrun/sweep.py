@@ -29,7 +29,7 @@ def sweep_dirs(root: Path, modes: Sequence[str]) -> list[Path]:
 def one_mode(args: argparse.Namespace, mode: str, run_dir: Path, tag: str) -> argparse.Namespace:
     """One run's arguments out of a sweep's or suite's: its mode and directory; --cache-window only
     where the mode has a window (quantized modes); an --export-samples file of its own (`tag`)."""
-    from engine.cache import CACHE_MODES
+    from evalrun.engine.cache import CACHE_MODES
     one = copy.copy(args)
     one.cache_mode, one.cache_modes, one.output_dir = mode, [mode], str(run_dir)
     if mode in CACHE_MODES and not CACHE_MODES[mode].quantized:
@@ -63,6 +63,6 @@ def run_sweep(args: argparse.Namespace, argv: Sequence[str], command: str, prepa
     print(f"\n=== {command} cache-mode sweep: {', '.join(modes)} against {modes[0]}")
     from evalrun.compare_cmd import compare_dirs
     comparison = compare_dirs([str(d) for d in dirs], labels=modes, selection=prepared[0].todo.keys)
-    from results.compare_format import render_table
+    from evalrun.results.compare_format import render_table
     print(render_table(comparison), end="")
     return 0

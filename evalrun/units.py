@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Collection, Optional, Sequence
 
-from tasks.base import PrefixGroup, Task
+from evalrun.tasks.base import PrefixGroup, Task
 
 UNIT_RULE = "prefix-groups/lpt-v1"      # hashed into a shard's selection: a changed rule refuses a merge
 UNITS_PER_SHARD = 4                     # the size cap for shards: units of at most total / (4 n) tokens

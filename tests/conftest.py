@@ -28,7 +28,7 @@ from sandbox_helpers import FAST, LEVELS, open_sandbox
 from tiny_models import make_tiny_model
 
 from evalrun.demo import ensure_demo_model
-from tasks.sandbox import Sandbox, SandboxLimits
+from evalrun.tasks.sandbox import Sandbox, SandboxLimits
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

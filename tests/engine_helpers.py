@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache
 
 CACHE_MODES = ["fp32", "q8", "q6", "q4"]      # the engine tests run per mode (float storage + quantized)
 

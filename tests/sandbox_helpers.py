@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
-from tasks.sandbox.isolation import IsolationUnavailable
+from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.isolation import IsolationUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = ("namespaces", "userns", "basic")

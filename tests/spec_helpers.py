@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 import pytest
 import torch
 
-from engine import DynamicJob, Model, SamplerSettings, Tokenizer
-from engine import generator as generator_module
+from evalrun.engine import DynamicJob, Model, SamplerSettings, Tokenizer
+from evalrun.engine import generator as generator_module
 from engine_helpers import greedy_jobs, make_generator, run_jobs
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.auto import HostFacts, SettingError, choose_cache_mode, choose_device, choose_dtype, host_facts
+from evalrun.engine.auto import HostFacts, SettingError, choose_cache_mode, choose_device, choose_dtype, host_facts
 from evalrun.engine_config import engine_config
 from evalrun.errors import BadInput
 
@@ -126,7 +126,7 @@ def test_engine_config_checks_numbers(tmp_path, kw, needle):
 
 
 def test_python_api_accepts_auto(tiny_model_dir):
-    from engine import Model, PagedCache
+    from evalrun.engine import Model, PagedCache
     model = Model.load(tiny_model_dir, dtype="auto")
     expected = choose_dtype("auto", "cpu", host_facts()).value
     assert str(model.dtype) == f"torch.{expected}"

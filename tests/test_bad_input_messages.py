@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from evalrun.cli import main
-from results import read_samples
+from evalrun.results import read_samples
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Model, PagedCache
+from evalrun.engine import Model, PagedCache
 from evalrun.cli import CACHE_MODE_CHOICES, main
-from kernels.kv_format import KV_FORMATS
+from evalrun.kernels.kv_format import KV_FORMATS
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 # acceptance: bytes per token relative to fp16 storage, scales included

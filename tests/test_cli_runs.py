@@ -12,11 +12,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from engine import Model
+from evalrun.engine import Model
 from evalrun.cli import build_parser, main
-from results.schema import Manifest, Resume, Throughput
-from tasks.mmlu import build_prompt
-from tasks.mmlu_data import load_mmlu
+from evalrun.results.schema import Manifest, Resume, Throughput
+from evalrun.tasks.mmlu import build_prompt
+from evalrun.tasks.mmlu_data import load_mmlu
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 SUBJECTS = 5                                  # in the fixture
@@ -225,7 +225,7 @@ def test_show_refuses_what_is_not_a_run(tmp_path, capsys):
 
 
 def test_summary_has_lm_eval_category_groups(tiny_model_dir, tmp_path, capsys):
-    from tasks.mmlu_groups import SUBJECT_GROUP
+    from evalrun.tasks.mmlu_groups import SUBJECT_GROUP
     out = tmp_path / "run"
     assert _mmlu(tiny_model_dir, out, "--limit", "3") == 0
     rows = pd.read_parquet(out / "samples.parquet")
@@ -261,7 +261,7 @@ def test_help_states_every_default():
 
 
 def test_humaneval_run_shows_prompts_and_matches_the_schema(tiny_model_dir, tmp_path, capsys):
-    from tasks.humaneval_data import load_humaneval
+    from evalrun.tasks.humaneval_data import load_humaneval
     out = tmp_path / "he"
     assert main(["humaneval", "--no-progress", "--model", str(tiny_model_dir), "--limit", "2",
                  "--max-new-tokens", "4", "--workers", "1", "--output-dir", str(out)]) == 0
@@ -379,7 +379,7 @@ def test_csv_layout_with_a_bom_and_blank_lines_reads_like_parquet(tmp_path):
 
 
 def test_score_samples_rerun_changes_nothing(tmp_path, capsys):
-    from tasks.humaneval_data import load_humaneval
+    from evalrun.tasks.humaneval_data import load_humaneval
     problems = load_humaneval().problems[:2]
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps({"task_id": p.task_id, "completion": p.canonical_solution}) + "\n"

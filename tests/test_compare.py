@@ -16,8 +16,8 @@ from statsmodels.stats.proportion import proportion_confint
 
 from evalrun.cli import main
 from evalrun.compare_cmd import compare_dirs
-from results import RunStore
-from results.schema import SAMPLES_DIR, SAMPLES_FILE
+from evalrun.results import RunStore
+from evalrun.results.schema import SAMPLES_DIR, SAMPLES_FILE
 
 SUBJECTS = ["abstract_algebra", "anatomy", "high_school_geography", "philosophy", "nutrition"]
 
@@ -303,7 +303,7 @@ def test_compare_refuses_a_grouping_the_task_lacks(tmp_path, capsys):
 
 
 def test_labels_stay_distinct_when_directory_names_clash():
-    from results.compare import run_labels
+    from evalrun.results.compare import run_labels
     assert run_labels(["x/n1/fp32", "x/n2/fp32"]) == ["n1/fp32", "n2/fp32"]
     assert run_labels(["a", "b/"]) == ["a", "b"]
 

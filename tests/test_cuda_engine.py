@@ -12,8 +12,8 @@ import torch
 from engine_helpers import greedy_jobs, logit_atol, make_generator, random_prompts, run_jobs
 from tiny_models import make_tiny_model
 
-from engine import Model, kernel_backends
-from kernels.backend import TritonKernels, triton_available
+from evalrun.engine import Model, kernel_backends
+from evalrun.kernels.backend import TritonKernels, triton_available
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -125,7 +125,7 @@ def test_cuda_deterministic_mode_is_batch_invariant(tiny_dir, dtype, mode):
 
 def test_cuda_weights_load_straight_to_the_device(tiny_dir, monkeypatch):
     """Each shard is opened with safetensors' device argument: tensors never pass through CPU memory."""
-    import engine.weights as weights
+    import evalrun.engine.weights as weights
     opened = []
     real = weights.safe_open
 
@@ -145,7 +145,7 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_dir, mode):
     equal, whatever bucket a step's rows were padded to; the null page is never written."""
     if not triton_available():
         pytest.skip("CUDA graphs run with the Triton kernels")
-    from kernels.kv_format import KV_FORMATS, kv_format
+    from evalrun.kernels.kv_format import KV_FORMATS, kv_format
     fmt = KV_FORMATS[mode] if not KV_FORMATS[mode].quantized else kv_format(KV_FORMATS[mode], window=0)
     outs, captured = [], None
     for graphs in (False, True):

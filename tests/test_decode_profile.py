@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Model, Tokenizer
-from kernels import decode_step, gemm
+from evalrun.engine import Model, Tokenizer
+from evalrun.kernels import decode_step, gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available() or decode_step._lib() is None,
                                 reason="native kernels unavailable here")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_helpers import CACHE_MODES, greedy_jobs, logit_atol, make_generator, random_prompts, run_jobs
 
-from engine import DynamicJob, Model
+from evalrun.engine import DynamicJob, Model
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import Model
-from engine.auto import HostFacts, SettingError, choose_deterministic
+from evalrun.engine import Model
+from evalrun.engine.auto import HostFacts, SettingError, choose_deterministic
 from evalrun.cli import main
-from kernels import gemm
-from kernels.linear import linear, make_linear
+from evalrun.kernels import gemm
+from evalrun.kernels.linear import linear, make_linear
 from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 from run_helpers import sigkill_after_parts
 

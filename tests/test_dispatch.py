@@ -13,7 +13,7 @@ from benchmarks.fake_replicas import FakeBackend, Faults
 from evalrun.dispatch import Dispatcher, Limits
 from evalrun.ray_actor import stream
 from evalrun.units import Parcel, WorkUnit, pack_units, replica_parcels
-from tasks.base import PrefixGroup
+from evalrun.tasks.base import PrefixGroup
 
 
 def _parcels(sizes: list[int]) -> list[Parcel]:

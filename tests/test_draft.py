@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine.draft import NgramDrafter
+from evalrun.engine.draft import NgramDrafter
 
 
 def brute_force(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:

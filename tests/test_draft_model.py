@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import DynamicJob, Model
+from evalrun.engine import DynamicJob, Model
 from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 
 from spec_helpers import (  # noqa: F401,F811  (fixtures)
@@ -14,7 +14,7 @@ from spec_helpers import (  # noqa: F401,F811  (fixtures)
 
 @pytest.mark.parametrize("which", ["itself", "truncated", "other"])
 def test_draft_model_greedy_is_bitwise_plain_greedy(tiny, other_tiny, which):
-    from engine.draft_model import truncated_model
+    from evalrun.engine.draft_model import truncated_model
     draft = {"itself": tiny, "truncated": truncated_model(tiny, 1), "other": other_tiny}[which]
     prompts = random_prompts(8, [6, 21, 40], tiny.config.vocab_size, seed=50)
     ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 24, return_logits=True))
@@ -71,7 +71,7 @@ def test_draft_model_options_are_checked(tiny, vocab5):
 def test_smollm2_greedy_with_a_draft_model_is_plain_greedy(smollm2_plain, tiny_model_dir, which):
     """Issue 14's first acceptance item, draft models: SmolLM2 as the target, 50 prompts; as drafts
     SmolLM2 itself (every draft kept), its first 4 layers with its own head, a tiny random model."""
-    from engine.draft_model import truncated_model
+    from evalrun.engine.draft_model import truncated_model
     model, prompts, ref = smollm2_plain
     draft = {"itself": lambda: model, "first 4 layers": lambda: truncated_model(model, 4),
              "tiny random": lambda: Model.load(tiny_model_dir, dtype="float32")}[which]()
@@ -87,7 +87,7 @@ def test_a_draft_model_with_a_cut_draft_and_few_window_blocks(tiny32):
     """Drafts cut by the chunk budget (the mirror then holds every kept token, and feeds the last one
     again), and a draft cache with fewer window blocks than the target's running jobs (a job whose
     mirror finds none drafts nothing)."""
-    from engine import PagedCache
+    from evalrun.engine import PagedCache
     prompts = random_prompts(3, [9, 5], tiny32.config.vocab_size, seed=90)
     ref = run_jobs(make_generator(tiny32, max_tokens=8192), greedy_jobs(prompts, 16))
     got = run_jobs(make_generator(tiny32, max_tokens=8192, draft_model=tiny32, adaptive_draft=False, max_chunk_size=3),

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
-from engine.config import ConfigError
-from engine.weights import WeightsError
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
+from evalrun.engine.config import ConfigError
+from evalrun.engine.weights import WeightsError
 
 VOCAB = 1000
 

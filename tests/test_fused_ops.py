@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused
-from kernels.backend import NativeCpuKernels, TorchKernels
+from evalrun.kernels import fused
+from evalrun.kernels.backend import NativeCpuKernels, TorchKernels
 
 
 def _need_native() -> None:
@@ -54,7 +54,7 @@ def test_backends_route_by_dtype():
 
 
 def _rope_case(t: int, hq: int, hkv: int, d: int, seed: int):
-    from engine.rope import rope_table
+    from evalrun.engine.rope import rope_table
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
     cos, sin = rope_table(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 4096)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm
+from evalrun.kernels import gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"native GEMM: {gemm.unavailable_reason()}")
 
@@ -170,7 +170,7 @@ def test_gemm_refuses_bad_input():
 
 def test_linear_backend_choice(monkeypatch):
     """native by default here; EVALRUN_LINEAR picks another; EVALRUN_NATIVE=0 falls back with a reason."""
-    from kernels.linear import linear_backend
+    from evalrun.kernels.linear import linear_backend
     assert linear_backend("cpu", torch.float32) == "native-gemm"
     assert linear_backend("cpu", torch.bfloat16) == "torch"
     monkeypatch.setenv("EVALRUN_LINEAR", "torch")
@@ -187,7 +187,7 @@ def test_gemm_silu_is_bitwise_the_two_calls(i, k, m):
     """The gate/up GEMM with SiLU in its epilogue: bitwise silu_mul(gemm(...)) (so the fused decode
     step stays bitwise the per-op path), close to the float64 reference, and the same bits for a
     row whatever rows share the call."""
-    from kernels import fused
+    from evalrun.kernels import fused
     if gemm.width() != 256:
         pytest.skip("the fused path runs on the AVX2 tiles (AVX-512 tiles in use: the two calls run)")
     if not fused.available():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import rig_eos_trigger, save_tiny_model
 
-from engine import (DynamicGenerator, DynamicJob, GeneratorResult, GeneratorStats, Model, PagedCache,
+from evalrun.engine import (DynamicGenerator, DynamicJob, GeneratorResult, GeneratorStats, Model, PagedCache,
                     SamplerSettings, Tokenizer)
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import torch
 from engine_helpers import CACHE_MODES, greedy_jobs, make_generator, random_prompts, run_jobs
 from transformers import AutoModelForCausalLM
 
-from engine import Model, Tokenizer
+from evalrun.engine import Model, Tokenizer
 
 PROMPTS = [
     "The capital of France is",

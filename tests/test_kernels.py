@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from kernels.attention import build_metadata, paged_attention_torch
-from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
-from kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
-from kernels.kv_format import KV_FORMATS, LayerKV, kv_format
+from evalrun.kernels.attention import build_metadata, paged_attention_torch
+from evalrun.kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
+from evalrun.kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
+from evalrun.kernels.kv_format import KV_FORMATS, LayerKV, kv_format
 
 # page storage alone: the formats without their recent-token window (that: tests/test_kv_window.py)
 PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
@@ -106,12 +106,12 @@ def test_write_kv_casts_to_storage_dtype(mode, dtype):
 @pytest.mark.parametrize("rows", [1, 7, 32, 64, 65, 300, 2048])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_dispatch_matches_reference(rows, with_bias):
-    from kernels.linear import linear, linear_reference, make_linear
+    from evalrun.kernels.linear import linear, linear_reference, make_linear
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=gen)
     b = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
-    from kernels import gemm
+    from evalrun.kernels import gemm
     lin = make_linear(w, b)
     if gemm.available():                                       # AVX2 + FMA and a C compiler here
         assert lin.panels is not None and lin.packed is None
@@ -129,7 +129,7 @@ def test_linear_dispatch_matches_reference(rows, with_bias):
 def test_linear_without_onednn_falls_back_unpacked(monkeypatch, env):
     """Asked for oneDNN (or torch) where torch reports no oneDNN (mkldnn): nothing is prepacked and
     the result is the reference's."""
-    from kernels.linear import linear, linear_backend, linear_reference, make_linear
+    from evalrun.kernels.linear import linear, linear_backend, linear_reference, make_linear
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     monkeypatch.setenv("EVALRUN_LINEAR", env)
     assert linear_backend("cpu", torch.float32) == "torch"
@@ -145,7 +145,7 @@ def test_linear_without_onednn_falls_back_unpacked(monkeypatch, env):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_with_residual_matches_reference(rows, with_bias, monkeypatch):
     """residual + x @ w^T (+ b): the native GEMM, the oneDNN fused post-op, the small-row and F.linear paths."""
-    from kernels.linear import linear, linear_reference, make_linear
+    from evalrun.kernels.linear import linear, linear_reference, make_linear
     gen = torch.Generator().manual_seed(100 + rows)
     w = torch.randn(96, 80, generator=gen)
     b = torch.randn(96, generator=gen) if with_bias else None

@@ -15,13 +15,13 @@ import pytest
 import torch
 from engine_helpers import greedy_jobs, logit_atol, random_prompts, run_jobs
 
-from engine import DynamicGenerator, Model, PagedCache
+from evalrun.engine import DynamicGenerator, Model, PagedCache
 from evalrun.cli import main
-from kernels import paged_decode
-from kernels.attention import build_metadata
-from kernels.backend import NativeCpuKernels, TorchKernels
-from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
-from kernels.kv_quant import dequantize, quantize, rotate
+from evalrun.kernels import paged_decode
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.backend import NativeCpuKernels, TorchKernels
+from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
+from evalrun.kernels.kv_quant import dequantize, quantize, rotate
 
 G = 32
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"

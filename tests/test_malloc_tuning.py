@@ -1,5 +1,5 @@
-"""kernels/malloc_tuning.py: with glibc, activations under 32 MiB come from the heap and freed heap
-memory is kept (no page faults on the next forward's writes); EVALRUN_MALLOC_TUNING=0 and a
+"""evalrun/malloc_tuning.py (applied by `import evalrun`): with glibc, activations under 32 MiB come
+from the heap and freed heap memory is kept (no page faults on the next forward's writes); EVALRUN_MALLOC_TUNING=0 and a
 user's own malloc settings leave glibc's defaults, which mmap such blocks and trim them on free.
 Each case runs in a fresh interpreter (the settings are process-wide), reading glibc's mallinfo2."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
-import ctypes, json, kernels, torch
-from kernels import malloc_tuning
+import ctypes, json, evalrun, torch
+from evalrun import malloc_tuning
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                               "fsmblks", "uordblks", "fordblks", "keepcost")]

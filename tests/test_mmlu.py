@@ -22,8 +22,8 @@ import torch
 
 from evalrun.cli import main
 from run_helpers import sigkill_after_parts
-from tasks.mmlu import MMLUTask, build_prompt
-from tasks.mmlu_data import MMLUDoc, load_mmlu
+from evalrun.tasks.mmlu import MMLUTask, build_prompt
+from evalrun.tasks.mmlu_data import MMLUDoc, load_mmlu
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 FIXTURE_SUBJECTS = ["abstract_algebra", "high_school_biology", "high_school_geography", "nutrition", "philosophy"]
@@ -152,7 +152,7 @@ def test_batch_invariance_fp32(tiny_model_dir, tmp_path):
 
 
 def test_ties_break_to_lowest_letter():
-    from tasks.base import Answer, DocPlan, Request
+    from evalrun.tasks.base import Answer, DocPlan, Request
 
     task = MMLUTask.__new__(MMLUTask)
     task.choice_ids = [[1], [2], [3], [4]]
@@ -236,7 +236,7 @@ def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
 def test_smollm2_predictions_match_transformers(smollm2_dir, data):
     from transformers import AutoModelForCausalLM
 
-    from engine import DynamicGenerator, Model, PagedCache, Tokenizer
+    from evalrun.engine import DynamicGenerator, Model, PagedCache, Tokenizer
     from evalrun.runner import run_task
 
     task = MMLUTask(subjects=["abstract_algebra", "high_school_biology", "nutrition"], limit=4, data=data)

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.mmlu import MMLUTask, build_prompt
-from tasks.mmlu_data import MMLUDoc, load_mmlu
-from tasks.mmlu_groups import GROUP_DISPLAY_NAME, GROUPS, SUBJECT_GROUP, group_of
+from evalrun.tasks.mmlu import MMLUTask, build_prompt
+from evalrun.tasks.mmlu_data import MMLUDoc, load_mmlu
+from evalrun.tasks.mmlu_groups import GROUP_DISPLAY_NAME, GROUPS, SUBJECT_GROUP, group_of
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 

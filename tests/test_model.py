@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 from tiny_models import LLAMA3_ROPE  # noqa: E402
 
@@ -136,8 +136,8 @@ def _prefill_forward(model: Model, prompts: Sequence[Sequence[int]], rows: Optio
                      page_size: int = 16) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One packed prefill forward of `prompts` on a fresh cache, logits at `rows` of the batch
     (None: every row); returns the logits and every layer's K and V at the slots written."""
-    from engine.model import ForwardBatch
-    from kernels.attention import build_metadata
+    from evalrun.engine.model import ForwardBatch
+    from evalrun.kernels.attention import build_metadata
     cache = PagedCache(model, max_tokens=1024, page_size=page_size, mode="fp32")
     cache.fill_unused()                                                   # NaN wherever nothing is written
     ids, positions, slots, tables, page = [], [], [], [], 0
@@ -166,7 +166,7 @@ def test_tiny_last_layer_runs_only_the_logit_rows(tiny_model_factory, backend: s
     (the native float32 GEMM gives a row the same bits at any row count), and the K/V written at
     every position (the last layer's too) are bitwise the same. Rows in any order, repeated, or
     none (a chunk in which no prompt ends). The attention kernels of both backends."""
-    from kernels.backend import TorchKernels
+    from evalrun.kernels.backend import TorchKernels
     model_dir = tiny_model_factory("llama", seed=13)
     model = Model.load(model_dir, dtype="float32", kernels=TorchKernels() if backend == "torch" else None)
     mlp_rows: list[int] = []

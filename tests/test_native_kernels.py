@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from kernels import native, paged_decode, paged_prefill
-from kernels.attention import build_metadata, decode_torch, paged_attention_torch
-from kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
-from kernels.cache_ops import write_kv_torch
-from kernels.cpu import cpu_flags
-from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
-from kernels.kv_quant import rotate
+from evalrun.kernels import native, paged_decode, paged_prefill
+from evalrun.kernels.attention import build_metadata, decode_torch, paged_attention_torch
+from evalrun.kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
+from evalrun.kernels.cache_ops import write_kv_torch
+from evalrun.kernels.cpu import cpu_flags
+from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
+from evalrun.kernels.kv_quant import rotate
 
 QUANTIZED = [name for name, f in KV_FORMATS.items() if f.quantized]      # q8, q6, q4
 
@@ -163,7 +163,7 @@ def test_native_disabled_by_env_uses_reference(monkeypatch, fresh_native, mode, 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, fresh_native, caplog):
     monkeypatch.setenv("CC", "false")              # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="evalrun.kernels.native"):
         assert native.load("paged_decode") is None
     assert "building native kernel pool failed" in caplog.text          # the first library it needs
     assert "native kernel paged_decode disabled" in caplog.text
@@ -191,7 +191,7 @@ def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, tmp_path,
     """Expected backends come from facts outside our code: a C compiler on PATH, the
     EVALRUN_NATIVE value, and torch's own oneDNN flag. Each fact is also taken away (an
     empty PATH, EVALRUN_NATIVE=0, torch reporting no mkldnn) to see the fallback taken."""
-    from engine import kernel_backends
+    from evalrun.engine import kernel_backends
     monkeypatch.delenv("EVALRUN_NATIVE", raising=False)          # documented default: on
     if case == "native-switched-off":
         monkeypatch.setenv("EVALRUN_NATIVE", "0")

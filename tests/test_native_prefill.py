@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_prefill
-from kernels.attention import attend, build_metadata, paged_attention_torch
-from kernels.backend import NativeCpuKernels
-from kernels.kv_format import KV_FORMATS
+from evalrun.kernels import paged_prefill
+from evalrun.kernels.attention import attend, build_metadata, paged_attention_torch
+from evalrun.kernels.backend import NativeCpuKernels
+from evalrun.kernels.kv_format import KV_FORMATS
 from tests.test_native_kernels import _machine_has_cc, _paged_case
 
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
-from engine.verify import mark_nonfinite as _mark_nonfinite
+from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
+from evalrun.engine.verify import mark_nonfinite as _mark_nonfinite
 from evalrun.cli import main
-from results import read_samples
-from tasks.mmlu import build_prompt
-from tasks.mmlu_data import load_mmlu
+from evalrun.results import read_samples
+from evalrun.tasks.mmlu import build_prompt
+from evalrun.tasks.mmlu_data import load_mmlu
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 SUBJECT = "philosophy"

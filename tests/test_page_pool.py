@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.job import DynamicJob
-from engine.page_pool import ROOT_HASH, PagePool, chain_hash
-from engine.scheduler import Scheduler
+from evalrun.engine.job import DynamicJob
+from evalrun.engine.page_pool import ROOT_HASH, PagePool, chain_hash
+from evalrun.engine.scheduler import Scheduler
 
 
 def test_allocate_release_free_and_cached_lru_order():
@@ -233,7 +233,7 @@ def test_a_prompt_token_is_never_computed_alone():
 def test_freeing_a_job_with_a_pending_copy_releases_its_source():
     """A job that waits for a sibling's page (a pending copy) and ends before computing anything
     (a draft mirror whose target finished) gives back every reference it took."""
-    from engine.kv_manager import KVManager
+    from evalrun.engine.kv_manager import KVManager
     pool = PagePool(16, 4)
     kv = KVManager(pool)
     shared = list(range(100, 106))                      # 1 full page + 2 tokens

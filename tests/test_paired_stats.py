@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from results.paired_stats import (
+from evalrun.results.paired_stats import (
     PairedComparison,
     clopper_pearson,
     compare_binary,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import Model
+from evalrun.engine import Model
 from evalrun.cli import main
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"

@@ -22,7 +22,7 @@ import pytest
 from evalrun.cli import main
 from evalrun.merge_cmd import PER_RUN_SUMMARY_KEYS
 from evalrun.ray_run import DELAY_ENV, FAIL_ENV, PAUSE_ENV
-from results import stored_keys
+from evalrun.results import stored_keys
 from tests.run_helpers import assert_same_rows
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'evalrun[ray]')")

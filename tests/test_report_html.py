@@ -22,11 +22,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from results.compare import Comparison, compare_runs
-from results.compare_format import render
-from results.report_html import render_html
-from results.run_reader import RunData
-from tasks.registry import HUMANEVAL, MMLU
+from evalrun.results.compare import Comparison, compare_runs
+from evalrun.results.compare_format import render
+from evalrun.results.report_html import render_html
+from evalrun.results.run_reader import RunData
+from evalrun.tasks.registry import HUMANEVAL, MMLU
 
 SUBJECTS = ("anatomy", "astronomy", "philosophy", "world_religions", "econometrics", "marketing", "virology")
 SWEEP = (("fp32", 18432), ("q8", 4896), ("q4", 2592))          # cache mode, bytes per token

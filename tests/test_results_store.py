@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from results import (
+from evalrun.results import (
     SCHEMA_VERSION,
     NotARunDirError,
     ResumeMismatchError,
@@ -78,7 +78,7 @@ def test_parts_merge_into_sorted_deduplicated_samples(tmp_path: Path) -> None:
 
 CRASH_WRITER = textwrap.dedent("""
     import json, sys, time
-    from results import RunStore
+    from evalrun.results import RunStore
     run_dir, manifest = sys.argv[1], json.loads(sys.argv[2])
     store = RunStore.open(run_dir, manifest, ["subject", "qid"], flush_rows=3)
     for qid in range(1000):

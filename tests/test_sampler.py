@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import (
+from evalrun.engine.sampler import (
     SamplerSettings,
     apply_penalties,
     greedy_tokens,
@@ -351,8 +351,8 @@ def test_greedy_rows_take_the_checked_argmax_unless_it_is_banned():
     """check_rows hands the greedy path each row's argmax from the finite check's visit; a row whose
     argmax is a banned stop token (min_new_tokens) still gets the banned argmax, and non-finite rows
     (replaced for the sampler) never use it: the tokens equal choose_tokens without it."""
-    from engine import DynamicJob
-    from engine.verify import check_rows, choose_tokens
+    from evalrun.engine import DynamicJob
+    from evalrun.engine.verify import check_rows, choose_tokens
     torch.manual_seed(1)
     with torch.inference_mode():
         logits = torch.randn(6, 300)
@@ -378,8 +378,8 @@ def test_greedy_rows_use_the_checked_argmax_without_another_pass(monkeypatch):
     `top` (the banned-argmax pass is never made: patched to fail here), with stop tokens banned
     elsewhere in a row, a job with drafts (several rows) and a sampled job among them; the tokens
     equal those chosen without `top`."""
-    import engine.verify as verify
-    from engine import DynamicJob
+    import evalrun.engine.verify as verify
+    from evalrun.engine import DynamicJob
     torch.manual_seed(2)
     with torch.inference_mode():
         logits = torch.randn(6, 300)
@@ -403,9 +403,9 @@ def test_batched_greedy_bans_stop_tokens_before_min_new_tokens_like_sample():
     """The one-argmax greedy path takes jobs whose stop tokens are still banned (min_new_tokens):
     each row's token is what `sample` gives on that row with the ban, and the logits the caller
     holds (returned to return_logits jobs) are not changed."""
-    from engine import DynamicJob
-    from engine.verify import banned as _banned, sample_rows as _sample_rows
-    from engine.sampler import SamplerSettings, sample
+    from evalrun.engine import DynamicJob
+    from evalrun.engine.verify import banned as _banned, sample_rows as _sample_rows
+    from evalrun.engine.sampler import SamplerSettings, sample
     torch.manual_seed(0)
     with torch.inference_mode():                  # as the model makes them
         logits = torch.randn(5, 50)

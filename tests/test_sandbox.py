@@ -16,10 +16,10 @@ import sys
 import pytest
 from sandbox_helpers import PROBLEM, he_spec
 
-from tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
-from tasks.sandbox.checker import WorkerLink, rebuild_exception
-from tasks.sandbox.codec import CodecError, decode_value, encode_value, read_frame, write_frame
-from tasks.sandbox.execute import Outcome, classify
+from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.checker import WorkerLink, rebuild_exception
+from evalrun.tasks.sandbox.codec import CodecError, decode_value, encode_value, read_frame, write_frame
+from evalrun.tasks.sandbox.execute import Outcome, classify
 
 
 # --- canonical and wrong solutions ------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import LEVELS, MARK, PROBLEM, REPO, he_spec, proc_table, wait_no_leftovers
 
-from tasks.sandbox import ExecResult, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox import ExecResult, Sandbox, SandboxLimits
 
 
 # --- adversarial programs -------------------------------------------------------------
@@ -249,8 +249,8 @@ def test_file_and_socket_attacks(level_box, problems, canaries, listener):
 
 KILL_SCRIPT = """
 import json, sys
-from tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
-from tasks.sandbox.isolation import IsolationUnavailable
+from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.isolation import IsolationUnavailable
 level, prompt, test, completions = json.load(sys.stdin)
 try:
     box = Sandbox(SandboxLimits(timeout=2.0), workers=4, isolation=level)

@@ -11,9 +11,9 @@ import subprocess
 import pytest
 from sandbox_helpers import MARK, PROBLEM, he_spec, wait_no_leftovers
 
-from tasks.sandbox import procs
-from tasks.sandbox.sandbox import DEFAULT_BASE_UID
-from tasks.sandbox.uids import UidLease
+from evalrun.tasks.sandbox import procs
+from evalrun.tasks.sandbox.sandbox import DEFAULT_BASE_UID
+from evalrun.tasks.sandbox.uids import UidLease
 
 
 def refuse_killpg(pgid: int, sig: int) -> None:
@@ -23,7 +23,7 @@ def refuse_killpg(pgid: int, sig: int) -> None:
 def test_a_failed_group_kill_fails_a_passing_program(box, problems, monkeypatch, caplog):
     p = problems[PROBLEM]
     monkeypatch.setattr(os, "killpg", refuse_killpg)
-    with caplog.at_level(logging.ERROR, logger="tasks.sandbox.execute"):
+    with caplog.at_level(logging.ERROR, logger="evalrun.tasks.sandbox.execute"):
         result = box.run(he_spec(p, p["canonical_solution"]))
     monkeypatch.undo()
     assert result.status == "error" and result.error.startswith("cleanup failed: kill_group("), result

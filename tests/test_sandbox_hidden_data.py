@@ -23,7 +23,7 @@ import pytest
 from sandbox_helpers import CORRECT_0, FAST, he_spec, open_sandbox
 
 from evalrun.cli import main
-from tasks.humaneval_data import load_humaneval, package_data_file
+from evalrun.tasks.humaneval_data import load_humaneval, package_data_file
 
 NAMESPACE_LEVELS = ("namespaces", "userns")
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import CORRECT_0, FAST, he_spec, open_sandbox, right_only_if
 
-from tasks.sandbox import Sandbox
-from tasks.sandbox.launcher import DEV_LINKS, DEV_NODES, interpreter_error
+from evalrun.tasks.sandbox import Sandbox
+from evalrun.tasks.sandbox.launcher import DEV_LINKS, DEV_NODES, interpreter_error
 
 
 def _reads(path: str, token: str) -> str:
@@ -177,7 +177,7 @@ def test_cover_except_skips_a_dangling_symlink_and_leaks_no_descriptor(tmp_path,
         (base / "gone.txt").write_text("hidden\n")
         script = f"""
 import json, os
-from tasks.sandbox import confine
+from evalrun.tasks.sandbox import confine
 confine.mount(None, "/", None, confine.MS_REC | confine.MS_PRIVATE)
 before = len(os.listdir("/proc/self/fd"))
 kept = confine.cover_except({str(base)!r}, [{str(base / "dangling")!r}, {str(base / "link")!r}])

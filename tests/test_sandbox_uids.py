@@ -11,12 +11,12 @@ import sys
 import pytest
 from sandbox_helpers import REPO
 
-from tasks.sandbox.uids import LOCK_DIR, UidLease, UidLockDirError
+from evalrun.tasks.sandbox.uids import LOCK_DIR, UidLease, UidLockDirError
 
 BASE_UID = 61000          # NOTE: not the Sandbox default, so running sandboxes do not shift the result
 LEASE_IN_CHILD = f"""
 import json
-from tasks.sandbox.uids import UidLease
+from evalrun.tasks.sandbox.uids import UidLease
 print(json.dumps(UidLease({BASE_UID}, 2).uids))
 """
 

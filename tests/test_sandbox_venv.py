@@ -40,8 +40,8 @@ def observe():
 """
 SCRIPT = """
 import json, sys
-from tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
-from tasks.sandbox.isolation import IsolationUnavailable
+from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.isolation import IsolationUnavailable
 cases, levels = json.load(sys.stdin)
 out = {}
 for level in levels:

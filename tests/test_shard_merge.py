@@ -13,10 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from engine import Model
+from evalrun.engine import Model
 from evalrun.cli import main
 from evalrun.merge_cmd import PER_RUN_COLUMNS, PER_RUN_SUMMARY_KEYS
-from results.schema import Manifest
+from evalrun.results.schema import Manifest
 from tests.run_helpers import assert_same_rows
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import DynamicJob, Model, SamplerSettings
+from evalrun.engine import DynamicJob, Model, SamplerSettings
 from engine_helpers import make_generator, run_jobs
 
 from spec_helpers import (  # noqa: F401,F811  (fixtures)
@@ -17,7 +17,7 @@ def test_speculative_sampling_has_the_law_of_plain_sampling(vocab5, monkeypatch)
     """The rejection rule. Four tokens sampled 3,000 times with n-gram drafts (accepted by the point-mass rule) and
     3,000 times plainly: a chi-square test does not tell them apart at alpha = 0.01; a rule that
     accepts drafts too often (probability 2 p instead of p) is told apart."""
-    from engine import verify
+    from evalrun.engine import verify
     n = 3000
     plain = _sampled_outcomes(vocab5, False, n, seed0=0)
     assert len(set(plain)) > 20                                    # a spread law, not one sequence
@@ -47,7 +47,7 @@ def test_draft_model_sampling_has_the_law_of_plain_sampling(vocab5, tiny_model_f
     """The rejection rule. A draft model whose law q differs from the target's p (another random model): the ratio rule
     with the residual max(0, p - q) gives plain sampling's law; drawing the replacement from p
     instead is told apart."""
-    from engine import verify
+    from evalrun.engine import verify
     draft = Model.load(tiny_model_factory("llama", vocab_size=5, seed=9), dtype="float32")
     n = 3000
     plain = _sampled_outcomes(vocab5, False, n, seed0=0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import DynamicJob, SamplerSettings
-from engine import speculation
+from evalrun.engine import DynamicJob, SamplerSettings
+from evalrun.engine import speculation
 from engine_helpers import greedy_jobs, logit_atol, make_generator, random_prompts, run_jobs
 
 from spec_helpers import (  # noqa: F401,F811  (fixtures)

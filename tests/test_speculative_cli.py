@@ -19,7 +19,7 @@ def test_speculative_flags_keep_greedy_completions_and_are_recorded(tmp_path, ti
     """`--ngram-draft` / `--draft-model DIR`: the generator drafts that way, the completions are those
     without drafting (greedy is exact), the settings are in the manifest, the draft counts in the
     summary's generator stats."""
-    from engine import DynamicGenerator
+    from evalrun.engine import DynamicGenerator
     made = []
     real_init = DynamicGenerator.__init__
     monkeypatch.setattr(DynamicGenerator, "__init__", lambda self, *a, **k: made.append(k) or real_init(self, *a, **k))

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from engine.stops import StopStringMatcher, split_stop_conditions
+from evalrun.engine.stops import StopStringMatcher, split_stop_conditions
 
 
 def ref_stop(text, stops):

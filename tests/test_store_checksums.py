@@ -10,10 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from results import RunStore, read_manifest, read_samples, samples_file_intact
-from results.checksums import load_index, sha256_file
-from results.schema import CHECKSUMS_FILE, QUARANTINE_PREFIX, SAMPLES_DIR, SAMPLES_FILE
-from results.store import _collect
+from evalrun.results import RunStore, read_manifest, read_samples, samples_file_intact
+from evalrun.results.checksums import load_index, sha256_file
+from evalrun.results.schema import CHECKSUMS_FILE, QUARANTINE_PREFIX, SAMPLES_DIR, SAMPLES_FILE
+from evalrun.results.store import _collect
 
 KEYS = ["subject", "qid"]
 MANIFEST = {"identity": {"task": "mmlu", "model_fingerprint": "m", "tokenizer_fingerprint": "t"}}
@@ -150,8 +150,8 @@ def test_evalrun_rebuilds_a_truncated_samples_file_of_a_finished_run(tiny_model_
 
 
 def test_compare_refuses_a_damaged_samples_file(tmp_path):
-    from results.errors import RunReadError
-    from results.run_reader import load_finished_run
+    from evalrun.results.errors import RunReadError
+    from evalrun.results.run_reader import load_finished_run
     run = _finished_run(tmp_path / "run")
     assert len(load_finished_run(run).rows) == 10
     data = bytearray((run / SAMPLES_FILE).read_bytes())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from evalrun.cli import main
-from results import RunStore, read_manifest, read_samples
+from evalrun.results import RunStore, read_manifest, read_samples
 
 DATA = Path(__file__).parent / "data" / "mmlu"
 ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}

@@ -9,7 +9,7 @@ import pytest
 
 import evalrun.pipeline as pipeline
 from evalrun.cli import main
-from results import read_manifest, read_samples
+from evalrun.results import read_manifest, read_samples
 
 DATA = Path(__file__).parent / "data" / "mmlu"
 

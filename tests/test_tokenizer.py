@@ -15,8 +15,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.streaming import StreamingDecoder
-from engine.tokenizer import Tokenizer
+from evalrun.engine.streaming import StreamingDecoder
+from evalrun.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

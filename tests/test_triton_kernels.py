@@ -21,11 +21,11 @@ import torch
 
 from triton_setup import DEVICE, INTERPRET, check_interpreting, interpreter_scalars  # noqa: F401,E402
 
-from kernels import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
-from kernels.attention import build_metadata, decode_torch  # noqa: E402
-from kernels.backend import FlashAttnKernels, TorchKernels, TritonKernels, choose_kernels  # noqa: E402
-from kernels.cache_ops import write_kv_torch  # noqa: E402
-from kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format  # noqa: E402
+from evalrun.kernels import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
+from evalrun.kernels.attention import build_metadata, decode_torch  # noqa: E402
+from evalrun.kernels.backend import FlashAttnKernels, TorchKernels, TritonKernels, choose_kernels  # noqa: E402
+from evalrun.kernels.cache_ops import write_kv_torch  # noqa: E402
+from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format  # noqa: E402
 
 check_interpreting(triton_attention.interpreting())
 
@@ -278,7 +278,7 @@ def test_engine_through_triton_matches_reference_backend(tiny_dir, mode):
     and logits of the reference backend."""
     from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 
-    from engine import Model
+    from evalrun.engine import Model
     outs = []
     for kernels in (TorchKernels(), TritonKernels()):
         model = Model.load(tiny_dir, dtype="float32", device=DEVICE.type, kernels=kernels)
@@ -301,8 +301,8 @@ def test_decode_graphs_replay_the_eager_step(tiny_dir, mode):
     padding row writes a page: the null page stays zero."""
     from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 
-    from engine import Model
-    from engine.cuda_graphs import DecodeGraphs, eager_capture
+    from evalrun.engine import Model
+    from evalrun.engine.cuda_graphs import DecodeGraphs, eager_capture
     outs, runs = [], []
     for graphs in (False, True):
         model = Model.load(tiny_dir, dtype="float32", device=DEVICE.type, kernels=TritonKernels())
@@ -341,7 +341,7 @@ COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_cache_ops as tc, triton_linear as tli
+from evalrun.kernels import triton_attention as ta, triton_cache_ops as tc, triton_linear as tli
 
 def build(fn, types, consts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -437,7 +437,7 @@ def test_flash_attn_backend_plumbing(mode, page_size, flash):
 
 
 def test_flash_attn_chosen_where_it_imports_except_in_deterministic_mode(monkeypatch):
-    from kernels import backend
+    from evalrun.kernels import backend
     monkeypatch.setattr(backend, "flash_attn_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn", _FlashStandIn())
     assert type(choose_kernels("cuda")) is FlashAttnKernels

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.verify_rows_cost import forward
-from engine import Model, PagedCache
-from kernels.decode_step import DecodeStep
+from evalrun.engine import Model, PagedCache
+from evalrun.kernels.decode_step import DecodeStep
 
 
 def _fresh(model, prompt, table):

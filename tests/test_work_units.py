@@ -12,10 +12,10 @@ import pytest
 from evalrun.errors import BadInput
 from evalrun.shard import ShardSpec, parse_shard, take_shard
 from evalrun.units import UNITS_PER_SHARD, WorkUnit, assign_shards, shard_units, units_digest, work_units
-from tasks.base import PrefixGroup, estimate_tokens
-from tasks.humaneval import HumanEvalSettings, HumanEvalTask
-from tasks.humaneval_data import load_humaneval
-from tasks.mmlu import MMLUTask, prompt_prefix
+from evalrun.tasks.base import PrefixGroup, estimate_tokens
+from evalrun.tasks.humaneval import HumanEvalSettings, HumanEvalTask
+from evalrun.tasks.humaneval_data import load_humaneval
+from evalrun.tasks.mmlu import MMLUTask, prompt_prefix
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 
@@ -167,7 +167,7 @@ def test_the_shards_of_a_task_partition_it_and_share_one_selection():
 
 
 def test_a_restricted_humaneval_task_plans_only_its_samples(tiny_model_dir):
-    from engine import Tokenizer
+    from evalrun.engine import Tokenizer
     task = HumanEvalTask(load_humaneval(), HumanEvalSettings(n_samples=3, limit=4))
     keys = [("HumanEval/2", 1), ("HumanEval/0", 0), ("HumanEval/0", 2), ("HumanEval/9", 0)]    # /9 is past --limit
     small = task.restricted(keys)

