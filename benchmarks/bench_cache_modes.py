@@ -6,12 +6,12 @@ measured in the same run, same model, same token ids:
 - memory: `cache.bytes_per_token()` per mode (scales included) and its ratio to fp16 storage.
 - kl: next-token distributions at >= --kl-positions real positions, teacher-forced: MMLU 5-shot
   prompts (one question per subject, subjects in a fixed shuffled order, built by
-  tasks/mmlu.py) and HumanEval prompts + the model's greedy fp32 continuation (--kl-new-tokens,
+  evalrun/tasks/mmlu.py) and HumanEval prompts + the model's greedy fp32 continuation (--kl-new-tokens,
   stop at EOS). Per sequence, the logits at every position with the fp32 cache and with each
   mode's cache, compared chunk by chunk (never all logits in memory): mean KL(ref || mode) in
   float64, top-1 agreement, per source and overall.
 - mmlu: >= --mmlu-questions test questions (whole subjects in alphabetical order) run per mode
-  through tasks/mmlu.py's MMLUTask and evalrun/runner.py's run_task, as `evalrun mmlu` does:
+  through evalrun/tasks/mmlu.py's MMLUTask and evalrun/runner.py's run_task, as `evalrun mmlu` does:
   accuracy, stderr, predictions that differ from fp32's, flips each way.
 - decode: --decode-jobs jobs with distinct real-text contexts (MMLU questions, k * page_size + 1
   tokens), greedy, --decode-tokens new tokens. Run 0 prefills; --repeats reruns hit the prompt

@@ -1,5 +1,5 @@
 """`evalrun compare` and `evalrun regress`: read finished run directories, align them by question
-through the task registry, and report paired statistics (results/compare.py).
+through the task registry, and report paired statistics (evalrun/results/compare.py).
 
 regress gates a nightly job: exit 1 only when the overall metric dropped by at least --max-drop
 points AND the paired test says the drop is significant at --alpha; every group's change is

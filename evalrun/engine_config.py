@@ -49,7 +49,7 @@ class EngineConfig:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Decode steps replayed as CUDA graphs (engine/cuda_graphs.py): on CUDA unless --eager."""
+        """Decode steps replayed as CUDA graphs (evalrun/engine/cuda_graphs.py): on CUDA unless --eager."""
         return self.device.startswith("cuda") and not self.eager
 
     def speculative_record(self) -> dict[str, Any]:

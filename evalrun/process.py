@@ -2,7 +2,7 @@
 
     apply_process_settings() -> ProcessSettings   called by evalrun/__init__.py; idempotent
 
-1. OpenMP spin. The native kernels run on their own thread pool (kernels/csrc/pool.c). By default
+1. OpenMP spin. The native kernels run on their own thread pool (evalrun/kernels/csrc/pool.c). By default
    libgomp's workers, which torch's small ops between those kernels wake, spin for a long while
    after each op (GOMP_SPINCOUNT 300000) and take the cores the pool needs: a short spin made
    decode steps 20-35% faster on a 2-core machine (FIELD_NOTES). libgomp reads the variable once,

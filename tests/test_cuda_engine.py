@@ -140,7 +140,7 @@ def test_cuda_weights_load_straight_to_the_device(tiny_dir, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["bf16", "q4"])
 def test_cuda_graph_decode_equals_eager_decode(tiny_dir, mode):
-    """Decode steps replayed as CUDA graphs (engine/cuda_graphs.py) against the same engine run
+    """Decode steps replayed as CUDA graphs (evalrun/engine/cuda_graphs.py) against the same engine run
     eagerly: in deterministic mode (every op batch-invariant) the tokens and logits are bitwise
     equal, whatever bucket a step's rows were padded to; the null page is never written."""
     if not triton_available():

@@ -1,4 +1,4 @@
-"""N-gram (prompt-lookup) drafting (engine/draft.py) against a brute-force reading of its contract."""
+"""N-gram (prompt-lookup) drafting (evalrun/engine/draft.py) against a brute-force reading of its contract."""
 from __future__ import annotations
 
 import random

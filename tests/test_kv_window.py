@@ -1,4 +1,4 @@
-"""The recent-token window of the quantized cache modes (kernels/kv_format.py): each query
+"""The recent-token window of the quantized cache modes (evalrun/kernels/kv_format.py): each query
 attends the keys of its own block of W positions exactly (fp16) and the older ones through
 the codes. Checked against a masked reference written here from the quantize/rotate
 reference ops alone, through several forwards (prefill chunks that start and end inside a

@@ -1,4 +1,4 @@
-"""results/paired_stats.py against independent references: scipy's exact binomial test and
+"""evalrun/results/paired_stats.py against independent references: scipy's exact binomial test and
 Clopper–Pearson interval, statsmodels' McNemar test and Holm correction, and a plain numpy
 bootstrap written here (other code, other generator, other seed)."""
 
@@ -113,7 +113,7 @@ def test_flipped_copy_matches_independent_computation(to_wrong, to_correct):
     assert r.p_value == pytest.approx(_ref_pvalue(to_wrong, to_correct), rel=1e-9)
     ref_low, ref_high = _ref_interval(to_wrong, to_correct, 800)
     assert abs(r.ci_low - ref_low) < 1e-9 and abs(r.ci_high - ref_high) < 1e-9
-    # Each run's stderr is lm-eval's mean_stderr (sample std / sqrt(n)), as tasks/mmlu.py reports it.
+    # Each run's stderr is lm-eval's mean_stderr (sample std / sqrt(n)), as evalrun/tasks/mmlu.py reports it.
     assert r.base_stderr == pytest.approx(np.std(base, ddof=1) / math.sqrt(800), rel=1e-12)
     assert r.cand_stderr == pytest.approx(np.std(cand, ddof=1) / math.sqrt(800), rel=1e-12)
 

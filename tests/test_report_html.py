@@ -1,4 +1,4 @@
-"""The HTML report of `evalrun compare --format html` (results/report_html.py).
+"""The HTML report of `evalrun compare --format html` (evalrun/results/report_html.py).
 
 Comparisons are built by results.compare.compare_runs from RunData records (manifest + rows,
 what load_finished_run returns): an MMLU cache-mode sweep (fp32/q8/q4, exact McNemar path), a

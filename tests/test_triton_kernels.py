@@ -1,5 +1,5 @@
-"""Triton kernels (kernels/triton_*.py) against their torch reference (kernels/attention.py,
-kernels/cache_ops.py), for every KV cache format they claim, over page sizes, GQA ratios,
+"""Triton kernels (kernels/triton_*.py) against their torch reference (evalrun/kernels/attention.py,
+evalrun/kernels/cache_ops.py), for every KV cache format they claim, over page sizes, GQA ratios,
 ragged lengths and NaN-poisoned unused slots.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is
@@ -293,7 +293,7 @@ def test_engine_through_triton_matches_reference_backend(tiny_dir, mode):
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "q4"])
 def test_decode_graphs_replay_the_eager_step(tiny_dir, mode):
-    """engine/cuda_graphs.py without a GPU: decode steps go through the graph runner (bucket
+    """evalrun/engine/cuda_graphs.py without a GPU: decode steps go through the graph runner (bucket
     choice, static buffers, padding rows with slot -1, the longest-context splits) with a stand-in
     capture that reruns the step on the static buffers. Every decode step of 5 jobs growing and
     finishing at different lengths (buckets 8, 4, 2, 1) gives bitwise the eager engine's

@@ -4,7 +4,7 @@
     dtype   auto -> bfloat16 on CUDA, or on a CPU with AVX512-BF16 or AMX-BF16
                  -> float32 elsewhere    (bf16 matmuls are emulated there, ~6x slower)
     cache   auto -> the storage of the compute dtype (bf16 / fp16 / fp32)
-    deterministic (batch-invariant linears, kernels/linear.py)
+    deterministic (batch-invariant linears, evalrun/kernels/linear.py)
             auto -> on  for float32 (the fast linears are batch-invariant already: no cost), and
                         for bf16/fp16 on a CPU without native bf16 (its matmuls are emulated; the
                         invariant float32-accumulating GEMM is faster)

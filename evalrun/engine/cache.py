@@ -1,6 +1,6 @@
 """PagedCache: the K/V storage of every layer plus the page pool that addresses it.
 
-Per layer one `LayerKV` in the cache's `KVFormat` (kernels/kv_format.py): float K/V
+Per layer one `LayerKV` in the cache's `KVFormat` (evalrun/kernels/kv_format.py): float K/V
 [num_pages + 1, page_size, num_kv_heads, head_dim] for fp32/bf16/fp16, or uint8 codes plus
 float16 scales for q8/q6/q4. The extra last page is the null page: zeros, never
 allocated; padded reads point there.
@@ -8,7 +8,7 @@ allocated; padded reads point there.
 Size it in tokens (`max_tokens`) or in bytes (`max_memory`, null page and window store
 included): the same memory holds ~3.5x the tokens in q4 that it holds in fp16.
 
-Quantized formats with a recent-token window (kernels/kv_format.py) also keep a small
+Quantized formats with a recent-token window (evalrun/kernels/kv_format.py) also keep a small
 exact store of `max_jobs` job blocks; at most that many jobs run at once.
 """
 from __future__ import annotations
@@ -172,7 +172,7 @@ class PagedCache:
         first write during a run; returns the seconds it took. The pages are left unwritten at
         construction (LayerKV.allocate): lazily only the memory a run uses is ever mapped, which
         suits short runs; a first write costs a page fault, ~0.5 GB/s on 2 MiB pages measured on
-        one machine (kernels/huge_pages.py), ~1 s of a 4,096-token decode benchmark. Peers that
+        one machine (evalrun/kernels/huge_pages.py), ~1 s of a 4,096-token decode benchmark. Peers that
         zero their KV cache at start (vLLM) pay this before their timings; the benchmarks call it
         before theirs. Contents are never read before a token is written, so nothing changes."""
         start = time.perf_counter()

@@ -13,7 +13,7 @@ K/V back to where they still agree:
 The first draft forward catches the mirror up (a whole prompt on a job's first draft, else one
 or two tokens); each one after it feeds the token just drafted. A draft token is chosen under the
 job's own sampler settings (greedy: the argmax), with the mirror's own generator; its distribution
-q is kept for the target's acceptance rule (engine/speculation.py).
+q is kept for the target's acceptance rule (evalrun/engine/speculation.py).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Proposal:
 class DraftModelRunner:
     def __init__(self, model: Model, cache: PagedCache, max_chunk_size: int, coupled: bool = True):
         """coupled: each mirror draws with a copy of its job's generator (the "coupled" rule of
-        engine/speculation.py); else with a generator of its own."""
+        evalrun/engine/speculation.py); else with a generator of its own."""
         self.model, self.cache = model, cache
         self.coupled = coupled
         self.kv = KVManager(cache.pool, cache.window, cache.window_slots)

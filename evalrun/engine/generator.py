@@ -31,11 +31,11 @@ class DynamicGenerator:
                  draft_model: Optional[Model] = None, draft_cache: Optional[PagedCache] = None,
                  num_draft_tokens: int = 4, use_ngram_draft: bool = False, max_ngram: int = 4,
                  min_ngram: int = 1, adaptive_draft: bool = True, sampling_rule: str = "coupled"):
-        """Speculative decoding (engine/speculation.py) with use_ngram_draft (drafts looked up in
+        """Speculative decoding (evalrun/engine/speculation.py) with use_ngram_draft (drafts looked up in
         each job's own tokens) or a draft_model with its draft_cache: up to num_draft_tokens per
         job and step, as many as pay for themselves (adaptive_draft=False: every proposal).
         sampling_rule: how sampled jobs verify drafts; "coupled" keeps a seeded job's tokens those
-        of plain sampling, "rejection" is the standard rule (engine/speculation.py)."""
+        of plain sampling, "rejection" is the standard rule (evalrun/engine/speculation.py)."""
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be None or an integer >= 1, got {max_batch_size!r}")
         if not isinstance(max_chunk_size, int) or max_chunk_size < 1:

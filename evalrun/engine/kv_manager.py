@@ -21,7 +21,7 @@ job's. Speculative rows past the accepted tokens write there too; `rollback` low
 valid counts, so neither dedup waits nor the prompt cache ever count a rejected token's slot (the
 pool's hashes and sibling tokens hold prompt tokens only, never generated ones).
 
-Cache formats with a recent-token window (kernels/kv_format.py) give each running job one
+Cache formats with a recent-token window (evalrun/kernels/kv_format.py) give each running job one
 block of the window store, and reuse a prefix only up to a block boundary: the tokens of
 a partly reused block are computed again, so their exact K/V are in the job's block.
 """

@@ -64,7 +64,7 @@ class Model:
                  final_norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device,
                  kernels: Optional[TorchKernels] = None, deterministic: bool = False, cuda_graphs: bool = False):
         self.config = config
-        self.deterministic = deterministic     # batch-invariant linears (kernels/linear.py), any dtype
+        self.deterministic = deterministic     # batch-invariant linears (evalrun/kernels/linear.py), any dtype
         self.kernels = kernels or choose_kernels(device, deterministic)   # every cache op goes through this
         self.dtype = dtype
         self.device = device
@@ -76,7 +76,7 @@ class Model:
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
         self._steps: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeStep]]" = weakref.WeakKeyDictionary()
-        # decode steps as CUDA graphs (engine/cuda_graphs.py), per cache; graph_capture: how a
+        # decode steps as CUDA graphs (evalrun/engine/cuda_graphs.py), per cache; graph_capture: how a
         # bucket is recorded (None: a real CUDA graph; tests set a stand-in)
         self.cuda_graphs = cuda_graphs
         self.graph_capture = None
@@ -87,12 +87,12 @@ class Model:
              kernels: Optional[TorchKernels] = None, deterministic: bool = False,
              cuda_graphs: bool = True) -> "Model":
         """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
-        dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (engine/auto.py).
+        dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (evalrun/engine/auto.py).
         kernels: the cache-op backend (default: chosen for the device, kernels.backend).
         deterministic: batch-invariant linears in every dtype, so a row's logits do not depend on
         what else is in its batch (ValueError where they cannot run: kernels.linear).
         cuda_graphs: on CUDA with the Triton kernels, pure decode steps replay CUDA graphs
-        (engine/cuda_graphs.py); False runs every step eagerly."""
+        (evalrun/engine/cuda_graphs.py); False runs every step eagerly."""
         if dtype == "auto":
             from .auto import choose_dtype, host_facts
             dtype = choose_dtype("auto", device, host_facts()).value
@@ -125,7 +125,7 @@ class Model:
         return self.eager_forward(batch, cache)
 
     def _decode_graphs(self, cache: "PagedCache") -> "Optional[DecodeGraphs]":
-        """The CUDA graphs of decode steps over this cache (engine/cuda_graphs.py), or None where
+        """The CUDA graphs of decode steps over this cache (evalrun/engine/cuda_graphs.py), or None where
         they do not apply; rebuilt if the cache's pages were ever replaced."""
         graphs = self._graphs.get(cache, False)
         if graphs is False or (graphs is not None and not graphs.pages_match(cache)):
@@ -170,7 +170,7 @@ class Model:
         return linear(h, self.lm_head)
 
     def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
-        """The native decode step for this cache (kernels/decode_step.py), or None where it does
+        """The native decode step for this cache (evalrun/kernels/decode_step.py), or None where it does
         not apply (another dtype, device, cache mode or kernel backend). Built once per cache and
         rebuilt if the cache's pages were ever replaced."""
         if cache in self._steps:

@@ -1,7 +1,7 @@
 """The tokens each job keeps from one forward: plain sampling, or the verification of its draft.
 
 A job with no draft has one logits row and keeps one token. A job with draft d1..dk has k + 1
-rows (engine/speculation.py draws the picture) and keeps 1 to k + 1 tokens: the accepted drafts
+rows (evalrun/engine/speculation.py draws the picture) and keeps 1 to k + 1 tokens: the accepted drafts
 and one more, chosen by the target (the replacement of the first rejected draft, or the bonus
 token after the last).
 
@@ -62,7 +62,7 @@ def choose_tokens(jobs: list[DynamicJob], drafts: Sequence[Sequence[int]], logit
     """Per job, the tokens it keeps; logits [sum(1 + len(d)), V], each job's rows in order.
     draft_probs: per job, the proposer's distribution q of each draft token (a draft model's), or
     None where the draft is a point mass (n-gram lookup, or a greedy draft); they are used by the
-    "rejection" rule only (engine/speculation.py describes both rules).
+    "rejection" rule only (evalrun/engine/speculation.py describes both rules).
     Plain greedy jobs (no penalties or extras) share one argmax over all their rows (stop tokens
     banned before min_new_tokens at -inf for it, as `sample` bans them); the rest go row by row.
     top: every row's argmax of these logits (check_rows), or None: where no row's argmax is one of

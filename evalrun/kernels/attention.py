@@ -3,7 +3,7 @@
 Layouts (the flash-attn `block_table` layout, one storage per layer):
     q           [T, Hq, D]        packed query tokens of all sequences (model dtype)
     layer       LayerKV           one layer's pages of S = page_size slots in its KVFormat
-                                  (kernels/kv_format.py); page P is the "null page" (zeros,
+                                  (evalrun/kernels/kv_format.py); page P is the "null page" (zeros,
                                   never allocated)
     page_table  [B, max_pages]     int32 page ids per sequence
     cu_seqlens_q [B + 1]           query offsets into q
@@ -26,7 +26,7 @@ Quantized formats that rotate (q8/q6/q4) are attended in the rotated domain: the
 rotated once per head before the kernels run and the output rotated back once after
 (`attend`), so no cached vector is ever rotated back.
 
-Formats with a recent-token window of W (kernels/kv_format.py): query position t attends
+Formats with a recent-token window of W (evalrun/kernels/kv_format.py): query position t attends
 the keys of its own block [floor(t/W)W, t] exactly (in the window dtype) and the earlier
 ones through the codes. The exact values come from this forward's new K/V and, for the
 part of the block computed in earlier forwards, from the job's block of the window store,

@@ -6,9 +6,9 @@ through it with one signature, whatever the cache's KVFormat.
     attention(q, layer, meta, scale) -> out      prefill and decode of a packed batch
 
 `TorchKernels` is the reference (CPU and CUDA). `NativeCpuKernels` runs the decode group
-through the C kernel (kernels/csrc/paged_decode.c) for every format it reads, the prefill
-sequences of formats without a recent-token window through kernels/csrc/paged_prefill.c, quantize on
-write and the Hadamard rotations through kernels/csrc/kv_quant.c, the rest through the
+through the C kernel (evalrun/kernels/csrc/paged_decode.c) for every format it reads, the prefill
+sequences of formats without a recent-token window through evalrun/kernels/csrc/paged_prefill.c, quantize on
+write and the Hadamard rotations through evalrun/kernels/csrc/kv_quant.c, the rest through the
 reference. `TritonKernels` (CUDA, when triton imports) runs decode attention for every
 format, prefill attention for formats without a recent-token window and K/V writes of every
 format (quantize on write included) and RMSNorm through kernels/triton_*.py, the rest through the
@@ -127,7 +127,7 @@ class NativeCpuKernels(TorchKernels):
 
     def gate_up_silu(self, h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
         """On the native GEMM's panels (float32, no bias), the SiLU runs in the GEMM's epilogue
-        (kernels/gemm.py gemm_silu: the same bits as the two calls, without the [T, 2I] product)."""
+        (evalrun/kernels/gemm.py gemm_silu: the same bits as the two calls, without the [T, 2I] product)."""
         if (self._fused and gate_up.panels is not None and gate_up.bias is None
                 and h.dtype == torch.float32 and h.device.type == "cpu"):
             out = gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
@@ -156,7 +156,7 @@ class TritonKernels(TorchKernels):
         self._attn, self._write, self._norm = triton_attention, triton_cache_ops, triton_linear
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """One program per row (kernels/triton_linear.py): the same bits whatever the batch."""
+        """One program per row (evalrun/kernels/triton_linear.py): the same bits whatever the batch."""
         if self._norm.rms_norm_supported(x, w):
             return self._norm.rms_norm_triton(x, w, eps)
         return fused.rms_norm_reference(x, w, eps)

@@ -2,7 +2,7 @@
 
 Layouts:
     k, v          [T, Hkv, D]     new keys/values of the packed tokens (model dtype)
-    layer         LayerKV         one layer's storage (kernels/kv_format.py), indexed [page, slot, ...]
+    layer         LayerKV         one layer's storage (evalrun/kernels/kv_format.py), indexed [page, slot, ...]
     slot_mapping  [T] int64       page * S + offset for every new token
     slots         [L] int64       slots to read, in context order
 """

@@ -1,4 +1,4 @@
-"""All decoder layers of a decode step in one native call (kernels/csrc/decode_step.c).
+"""All decoder layers of a decode step in one native call (evalrun/kernels/csrc/decode_step.c).
 
 A decode step (one new token per sequence) otherwise makes ~10 Python calls per layer into
 the native kernels: norm, QKV, rope + page write, attention, output projection, norm, gate/up,
@@ -73,7 +73,7 @@ def enabled() -> bool:
 
 @dataclass
 class LayerParts:
-    """One decoder layer as the step needs it (engine/model.py's LayerWeights and the layer's pages)."""
+    """One decoder layer as the step needs it (evalrun/engine/model.py's LayerWeights and the layer's pages)."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     wqkv: Linear

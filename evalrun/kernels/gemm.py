@@ -1,11 +1,11 @@
-"""The native float32 GEMM for linears (kernels/csrc/gemm.c), through ctypes.
+"""The native float32 GEMM for linears (evalrun/kernels/csrc/gemm.c), through ctypes.
 
     pack(weight [N, K])                      -> panels: W in 16-column panels, k-major, zero-padded
     gemm(x [M, K], panels, N, bias, residual) -> residual + (x @ W^T + bias)   [M, N]
 
 Each output is one fused multiply-add chain over k in order, so a row's result is bitwise the
 same whatever the number of rows in the call (batch invariance), for every M, the prefill's
-thousands of rows and a decode step's one. The reference is F.linear (kernels/linear.py).
+thousands of rows and a decode step's one. The reference is F.linear (evalrun/kernels/linear.py).
 Columns are split over a persistent pool of torch.get_num_threads() threads.
 
 Needs AVX2 and FMA (checked when the library is built for this CPU); `unavailable_reason()`

@@ -45,7 +45,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device = torch
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not enabled():
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     # its own anonymous mapping, never touched: memory from malloc may be heap that earlier tensors
-    # already faulted in on 4 KiB pages (kernels/malloc_tuning.py keeps freed heap), which the advice
+    # already faulted in on 4 KiB pages (evalrun/kernels/malloc_tuning.py keeps freed heap), which the advice
     # does not convert; the tensor keeps the mapping alive, and it is unmapped with the tensor
     raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
                            dtype=torch.uint8)

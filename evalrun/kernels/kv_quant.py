@@ -1,4 +1,4 @@
-"""Torch reference of the quantized KV cache ops (formats in kernels/kv_format.py).
+"""Torch reference of the quantized KV cache ops (formats in evalrun/kernels/kv_format.py).
 
     x        [..., D]                 float vectors (keys or values of some tokens and heads)
     codes    [..., D * bits / 8]      uint8

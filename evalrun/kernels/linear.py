@@ -3,12 +3,12 @@
 Layouts:
     x       [T, in]    model dtype, row-major
     weight  [out, in]  the checkpoint's layout (the reference reads it)
-    panels  the native GEMM's layout of `weight` (kernels/gemm.py), made once at load
+    panels  the native GEMM's layout of `weight` (evalrun/kernels/gemm.py), made once at load
     packed  oneDNN's blocked layout of `weight`, made once at load (when panels cannot be used)
     y       [T, out]   x's dtype
 
 `linear_reference` is F.linear. CPU float32 paths, chosen once per weight by `linear_backend`:
-  native-gemm       kernels/csrc/gemm.c (AVX2 + FMA): on the 2-core AVX2 development machine
+  native-gemm       evalrun/kernels/csrc/gemm.c (AVX2 + FMA): on the 2-core AVX2 development machine
                     1.1-1.3x oneDNN's speed at 8-256 rows and 1.4-2x at one row, and as fast
                     at 2048 (benchmarks/bench_linear.py); bitwise batch-invariant at every M
   onednn-prepacked  oneDNN's matmul on the prepacked weight (`torch.ops.mkldnn._linear_pointwise`)
@@ -24,7 +24,7 @@ chain over k in order (a product of two bf16 values is exact in float32, so this
 with float32 accumulation, as tensor cores do), and the result is rounded to the rows' dtype
 once. No output depends on the other rows of the call, unlike oneDNN's or MKL's bf16 matmuls,
 whose blocking changes with the number of rows. On CUDA the same contract is met by
-kernels/triton_linear.py (one fixed Triton tile shape, float32 accumulation) instead of cuBLAS.
+evalrun/kernels/triton_linear.py (one fixed Triton tile shape, float32 accumulation) instead of cuBLAS.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None
     """x @ w^T (+ b) (+ residual). Dispatch: the native GEMM on its panels (bias and residual
     added as each output is stored), oneDNN on a packed weight (the residual add fused as a
     post-op), else (w @ x^T)^T for few CPU rows, else F.linear; a batch-invariant Linear on CUDA
-    through kernels/triton_linear.py."""
+    through evalrun/kernels/triton_linear.py."""
     if lin.invariant and x.device.type == "cuda":
         from . import triton_linear                   # imports triton: only on this path
         y = triton_linear.linear_triton(x.reshape(-1, x.shape[-1]).contiguous(), lin.weight, lin.bias)

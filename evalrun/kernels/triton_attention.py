@@ -1,7 +1,7 @@
 """Triton paged attention (the CUDA path), same contract as the torch reference in
-kernels/attention.py: `decode_torch` for the decode group, `attend`'s SDPA loop for prefill.
+evalrun/kernels/attention.py: `decode_torch` for the decode group, `attend`'s SDPA loop for prefill.
 
-Layouts (kernels/attention.py, kernels/kv_format.py):
+Layouts (evalrun/kernels/attention.py, evalrun/kernels/kv_format.py):
     q            [T, Hq, D]        packed queries, model dtype, last dim contiguous; the decode
                                    group (q_len 1) first, already in the attention domain
                                    (rotated by the caller for rotating formats)

@@ -5,10 +5,10 @@ the p-value and how many questions flipped each way.
     RunData ×N ──► align on the rows all runs share (the rest counted per run, never dropped
     silently) ──► units (a question, or a HumanEval problem with its samples) ──► per group:
     exact McNemar + exact paired interval when every unit is one pass/fail row, else a paired
-    bootstrap of the mean unit score ──► Comparison (one record; results/compare_format.py
+    bootstrap of the mean unit score ──► Comparison (one record; evalrun/results/compare_format.py
     prints it)
 
-What a task's rows mean comes from a `MetricSpec` (tasks/registry.py's TaskSpec is one).
+What a task's rows mean comes from a `MetricSpec` (evalrun/tasks/registry.py's TaskSpec is one).
 """
 from __future__ import annotations
 

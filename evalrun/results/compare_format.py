@@ -1,5 +1,5 @@
 """Print a Comparison: a terminal table, markdown, csv or json (the HTML report is
-results/report_html.py). Every format carries the same numbers; csv has one line per
+evalrun/results/report_html.py). Every format carries the same numbers; csv has one line per
 (group, run) with the run's header fields beside them."""
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Method = Literal["mcnemar-exact", "bootstrap"]
 class PairedComparison:
     """Candidate against base on `n` shared questions (or units); delta = cand_metric - base_metric.
 
-    Standard errors are those each run reports on its own (NaN when n < 2, as in tasks/mmlu.py);
+    Standard errors are those each run reports on its own (NaN when n < 2, as in evalrun/tasks/mmlu.py);
     the interval and p-value are paired. to_correct / to_wrong count the questions that went
     wrong→right / right→wrong (for units: units whose score rose / fell).
     """
@@ -189,7 +189,7 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 
 def compare_binary(base: Sequence[bool], cand: Sequence[bool], level: float = 0.95) -> PairedComparison:
     """Pass/fail per question, aligned (base[i] and cand[i] are the same question): accuracies with
-    the sample standard error sqrt(p (1 - p) / (n - 1)) (as tasks/mmlu.py), the exact McNemar
+    the sample standard error sqrt(p (1 - p) / (n - 1)) (as evalrun/tasks/mmlu.py), the exact McNemar
     p-value and the exact interval of `paired_exact_interval` (conditional on b + c)."""
     x = _as_binary("base", base)
     y = _as_binary("cand", cand)
@@ -209,7 +209,7 @@ def compare_binary(base: Sequence[bool], cand: Sequence[bool], level: float = 0.
 def compare_units(base: Sequence[float], cand: Sequence[float], level: float = 0.95, n_boot: int = 10000,
                   seed: int = 0) -> PairedComparison:
     """Per-unit scores, aligned (e.g. pass@k per HumanEval problem): means with the standard error
-    sample std / sqrt(n) (as tasks/passk.py), and `paired_bootstrap` of the mean difference."""
+    sample std / sqrt(n) (as evalrun/tasks/passk.py), and `paired_bootstrap` of the mean difference."""
     x, y = _as_units(base, cand)
     boot = paired_bootstrap(x, y, np.mean, n_boot=n_boot, seed=seed, level=level)
     n = len(x)

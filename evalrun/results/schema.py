@@ -9,9 +9,9 @@
         _quarantine-part-...parquet    torn or damaged part moved aside (ignored by pyarrow.dataset)
         _checksums.jsonl               {"part", "sha256"} of each part, written before it is published
       prompts/
-        part-000000-1a2b3c4d.parquet   prompt_hash, prompt: each distinct prompt once (results/prompts.py)
+        part-000000-1a2b3c4d.parquet   prompt_hash, prompt: each distinct prompt once (evalrun/results/prompts.py)
       samples.parquet          all parts merged, deduplicated on the key, sorted by key (its sha256:
-                               manifest["samples_sha256"]; see results/checksums.py)
+                               manifest["samples_sha256"]; see evalrun/results/checksums.py)
       summary.parquet          per-subject (or per-group) rows from write_summary
       summary.json             headline numbers from write_summary
 """
@@ -126,7 +126,7 @@ class Manifest(TypedDict, total=False):
     # set at the end (finalize / RunStore.record_session of the session that started the run)
     finalized_at: str
     num_samples: int
-    samples_sha256: str  # sha256 of samples.parquet as written (results/checksums.py)
+    samples_sha256: str  # sha256 of samples.parquet as written (evalrun/results/checksums.py)
     end_time: str
     throughput: Throughput
     wall_seconds: float  # humaneval --score-samples

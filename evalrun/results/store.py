@@ -1,4 +1,4 @@
-"""RunStore: crash-safe, resumable sample rows of one eval run (see results/schema.py for the layout).
+"""RunStore: crash-safe, resumable sample rows of one eval run (see evalrun/results/schema.py for the layout).
 
     open ──► completed_keys() ──► add(row) … (auto flush: one parquet part per flush) ──► finalize()
 

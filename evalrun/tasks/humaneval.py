@@ -98,7 +98,7 @@ def sample_seed(seed: int, task_id: str, sample_idx: int) -> int:
 @register("humaneval")
 class HumanEvalTask:
     name = "humaneval"
-    key_columns = HUMANEVAL.key_columns                 # tasks/registry.py: what compare reads
+    key_columns = HUMANEVAL.key_columns                 # evalrun/tasks/registry.py: what compare reads
     progress_metric = "passed"
 
     def __init__(self, data: HumanEvalData, settings: HumanEvalSettings, sandbox: Optional[Sandbox] = None,

@@ -44,7 +44,7 @@ def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
 @register("mmlu")
 class MMLUTask:
     name = "mmlu"
-    key_columns = MMLU.key_columns                 # tasks/registry.py: what compare reads
+    key_columns = MMLU.key_columns                 # evalrun/tasks/registry.py: what compare reads
 
     def __init__(self, data_dir: Optional[str] = None, subjects: Optional[Sequence[str]] = None,
                  limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None,

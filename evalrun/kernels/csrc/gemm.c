@@ -12,7 +12,7 @@
  * then + bias, then residual + that. The chain does not depend on how rows are tiled, how
  * many rows the call has, or how columns are split over threads, so a row's output is bitwise
  * the same whatever else is in the batch (batch invariance). The torch reference is F.linear
- * (kernels/linear.py: linear_reference).
+ * (evalrun/kernels/linear.py: linear_reference).
  *
  * Rows are taken in tiles of up to 6 (6 rows x 16 columns: 12 accumulators); a call of 1-2 rows
  * uses tiles spanning several panels so a tile still has 8-12 independent chains. A call whose

@@ -1,12 +1,12 @@
 /* Quantized KV cache writes and the Walsh-Hadamard rotation on the CPU: the native versions
- * of kernels/kv_quant.py (`rotate`, `quantize`) and kernels/cache_ops.py (`write_kv_torch`
+ * of evalrun/kernels/kv_quant.py (`rotate`, `quantize`) and evalrun/kernels/cache_ops.py (`write_kv_torch`
  * for code formats). Every float operation is the reference's, in the same order (butterfly
  * a + b / a - b, one multiply by G^-1/2, amax / qmax, round half to even, float16 round to
  * nearest even then one ulp up when short), so the codes equal the reference's bit for bit
  * and a row's result never depends on the other rows of the call. A group holding a NaN gets
  * the reference's NaN scale (its codes are unspecified there; zeros here), so it reads NaN.
  *
- * Layouts (as kernels/kv_format.py):
+ * Layouts (as evalrun/kernels/kv_format.py):
  *   x       [T, W] float32, W = Hkv * D values of each new token (all heads)
  *   slots   [T] int64 slot ids (page * S + offset)
  *   codes   [(P + 1) * S, W * bits / 8] uint8 (4-bit: byte j of a group of G holds element j

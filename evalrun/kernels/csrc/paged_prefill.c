@@ -1,7 +1,7 @@
 /* Paged prefill attention on the CPU: several query tokens per sequence, causal, read straight
  * from the pages (no gathered copy of the context), GQA, float32 math.
  *
- * Layouts (as kernels/kv_format.py and kernels/attention.py):
+ * Layouts (as evalrun/kernels/kv_format.py and evalrun/kernels/attention.py):
  *   q           [T, Hq, D]          float32 query rows of the sequences, packed (sequence b's
  *                                   q_len[b] rows start at row q_start[b]); in the attention
  *                                   domain (the caller rotates q in and the output out)
@@ -345,7 +345,7 @@ static void pool_task(void *ctx, int tid, int nth) {
 #endif
 
 /* Returns 0 on success, 1 on shapes it cannot take (D not a multiple of the vector width). The caller checks page ids and lengths against the cache
- * and the table, q_start / q_len against q, and scratch's size (kernels/paged_prefill.py). */
+ * and the table, q_start / q_len against q, and scratch's size (evalrun/kernels/paged_prefill.py). */
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
                   const uint16_t *v_scale, int k_kind, int v_kind, int G, const int32_t *page_table, int max_pages,
                   const int32_t *seq_lens, const int32_t *q_start, const int32_t *q_len, float *out, int B, int Hq,
