@@ -54,8 +54,7 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
     from evalrun.engine import Model, Tokenizer
     try:
-        model = Model.load(model_dir, dtype=cfg.dtype, device=cfg.device, deterministic=cfg.deterministic,
-                           cuda_graphs=cfg.cuda_graphs)
+        model = Model.load(model_dir, **cfg.load_settings())
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
     return model, Tokenizer.load(model_dir)
@@ -68,8 +67,7 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
                            max_memory=cfg.cache_memory, max_jobs=cfg.max_batch_size, window=cfg.cache_window)
         draft = draft_cache = None
         if cfg.draft_model is not None:
-            draft = Model.load(resolve_model_dir(cfg.draft_model), dtype=cfg.dtype, device=cfg.device,
-                               deterministic=cfg.deterministic)
+            draft = Model.load(resolve_model_dir(cfg.draft_model), **cfg.load_settings())   # --eager too
             draft_cache = PagedCache(draft, max_tokens=cache.max_tokens, page_size=cfg.page_size, mode=cache.format,
                                      max_jobs=cache.window_slots or None)
         return DynamicGenerator(model, cache, tokenizer, max_batch_size=cfg.max_batch_size,

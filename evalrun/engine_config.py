@@ -52,6 +52,12 @@ class EngineConfig:
         """Decode steps replayed as CUDA graphs (evalrun/engine/cuda_graphs.py): on CUDA unless --eager."""
         return self.device.startswith("cuda") and not self.eager
 
+    def load_settings(self) -> dict[str, Any]:
+        """The keyword arguments of Model.load that this config decides: every field that changes the
+        loaded model (a model loaded with other values cannot serve this config)."""
+        return {"dtype": self.dtype, "device": self.device, "deterministic": self.deterministic,
+                "cuda_graphs": self.cuda_graphs}
+
     def speculative_record(self) -> dict[str, Any]:
         """manifest["speculative"]: how (and whether) generation drafted tokens."""
         drafts = "model" if self.draft_model else "ngram" if self.ngram_draft else None

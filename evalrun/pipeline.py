@@ -108,7 +108,7 @@ class ModelLoader:
         self.loads = 0
 
     def get(self, cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
-        key = (str(Path(model_dir).resolve()), cfg.dtype, cfg.device)
+        key = (str(Path(model_dir).resolve()), *sorted(cfg.load_settings().items()))
         if key != self._key:
             self._loaded = None                  # free the previous model before loading the next
             self._loaded = load_model(cfg, model_dir)
