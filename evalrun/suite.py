@@ -65,7 +65,7 @@ def add_suite_parser(sub: argparse._SubParsersAction) -> None:
                                    "<output_dir>/<task>/<model>/<cache mode>/ (resumable: a rerun computes only "
                                    "what is missing), then print and write one combined table "
                                    "(comparison.md/.csv/.json in output_dir); with a [baseline] section, gate "
-                                   "like `evalrun regress` (exit 1 on a significant drop). Schema: README. "
+                                   "like `evalrun regress` (exit 1 on a significant drop). Schema: docs/compare-and-regress.md. "
                                    "Suites run whole tasks: --shard is for evalrun mmlu/humaneval.")
     p.add_argument("file", metavar="FILE.toml", help="the suite")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
