@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from concurrent.futures import Future
-from typing import Any, Callable, Collection, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Collection, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -127,12 +127,3 @@ def prompt_hash(ids: Sequence[int]) -> str:
     """A prompt's key in the run's prompts table: a hash of its token ids."""
     return hashlib.sha256(repr(list(ids)).encode()).hexdigest()[:16]
 
-
-TASKS: dict[str, Callable[..., Task]] = {}
-
-
-def register(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
-    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
-        TASKS[name] = factory
-        return factory
-    return deco

@@ -20,7 +20,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 from evalrun.engine import SamplerSettings
 
-from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash, register
+from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
 from .registry import HUMANEVAL
@@ -95,7 +95,6 @@ def sample_seed(seed: int, task_id: str, sample_idx: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-@register("humaneval")
 class HumanEvalTask:
     name = "humaneval"
     key_columns = HUMANEVAL.key_columns                 # evalrun/tasks/registry.py: what compare reads

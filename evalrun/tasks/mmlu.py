@@ -16,7 +16,7 @@ from typing import Any, Collection, Iterator, Optional, Sequence
 import torch
 
 from .base import (NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, TaskDataError, estimate_tokens,
-                   prompt_hash, register)
+                   prompt_hash)
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
 from .mmlu_groups import GROUPS, group_of
 from .registry import MMLU
@@ -41,7 +41,6 @@ def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
     return prompt_prefix(subject, shots) + format_question(doc)
 
 
-@register("mmlu")
 class MMLUTask:
     name = "mmlu"
     key_columns = MMLU.key_columns                 # evalrun/tasks/registry.py: what compare reads
