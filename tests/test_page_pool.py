@@ -1,8 +1,12 @@
 """PagePool and Scheduler bookkeeping on tiny configs: exact page ids, LRU order, dedup plans."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
+import evalrun.engine as engine
 from evalrun.engine.job import DynamicJob
 from evalrun.engine.page_pool import ROOT_HASH, PagePool, chain_hash
 from evalrun.engine.scheduler import Scheduler
@@ -244,3 +248,33 @@ def test_freeing_a_job_with_a_pending_copy_releases_its_source():
     assert b.state.copy is None and pool.pages[a.state.page_table[1]].ref_count == 1
     kv.free(a)
     assert pool.num_in_use == 0
+
+
+def test_valid_counts_only_rise_by_mark_and_only_fall_by_truncate():
+    pool = PagePool(num_pages=2, page_size=4)
+    (p,) = pool.allocate(1)
+    pool.mark_valid(p, 3)
+    pool.mark_valid(p, 2)                              # a later, shorter write does not lower it
+    assert pool.pages[p].num_valid == 3
+    pool.truncate_valid(p, 4)                          # a rollback past the valid slots changes nothing
+    assert pool.pages[p].num_valid == 3
+    pool.truncate_valid(p, 1)
+    assert pool.pages[p].num_valid == 1
+    pool.truncate_valid(p, -3)                         # positions before the page: none of it is valid
+    assert pool.pages[p].num_valid == 0
+
+
+def test_only_the_pool_writes_its_pages_fields():
+    """KVManager and the rest of the engine go through PagePool's methods (one writer per field)."""
+    fields = {"num_valid", "ref_count", "phash", "parent_hash", "tokens", "last_used"}
+    writers = set()
+    for path in Path(engine.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and t.attr in fields and not (
+                            isinstance(t.value, ast.Name) and t.value.id == "self"):
+                        writers.add(path.name)
+    assert writers == {"page_pool.py"}

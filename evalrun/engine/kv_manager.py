@@ -138,10 +138,8 @@ class KVManager:
             raise ValueError(f"rollback to {num_tokens} tokens would discard shared prompt tokens "
                              f"(the prompt has {job.prompt_len})")
         st.num_computed_tokens = min(st.num_computed_tokens, num_tokens)
-        pages = self.pool.pages
         for idx in range(num_tokens // ps, len(st.page_table)):
-            page = pages[st.page_table[idx]]
-            page.num_valid = min(page.num_valid, max(0, num_tokens - idx * ps))
+            self.pool.truncate_valid(st.page_table[idx], num_tokens - idx * ps)
 
     # --- free --------------------------------------------------------------------
     def free(self, job: DynamicJob) -> None:

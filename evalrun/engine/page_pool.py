@@ -178,8 +178,14 @@ class PagePool:
         return h
 
     def mark_valid(self, page_id: int, num_valid: int) -> None:
+        """The first `num_valid` slots of the page hold computed K/V (never lowers the count)."""
         page = self.pages[page_id]
         page.num_valid = max(page.num_valid, num_valid)
+
+    def truncate_valid(self, page_id: int, num_valid: int) -> None:
+        """Slots from `num_valid` on no longer hold valid K/V (a rollback; never raises the count)."""
+        page = self.pages[page_id]
+        page.num_valid = min(page.num_valid, max(0, num_valid))
 
     def _forget(self, page: Page) -> None:
         if page.phash is not None and self.by_hash.get(page.phash) == page.page_id:
