@@ -11,7 +11,7 @@ measured in the same run, same model, same token ids:
   mode's cache, compared chunk by chunk (never all logits in memory): mean KL(ref || mode) in
   float64, top-1 agreement, per source and overall.
 - mmlu: >= --mmlu-questions test questions (whole subjects in alphabetical order) run per mode
-  through evalrun/tasks/mmlu.py's MMLUTask and evalrun/runner.py's run_task, as `evalrun mmlu` does:
+  through evalrun/tasks/mmlu.py's MMLUTask and evalrun/run/runner.py's run_task, as `evalrun mmlu` does:
   accuracy, stderr, predictions that differ from fp32's, flips each way.
 - decode: --decode-jobs jobs with distinct real-text contexts (MMLU questions, k * page_size + 1
   tokens), greedy, --decode-tokens new tokens. Run 0 prefills; --repeats reruns hit the prompt

@@ -27,8 +27,8 @@ from typing import Any
 
 from benchmarks.common import DEFAULT_MMLU_DIR, DEFAULT_OUT_DIR, machine_info, positive_int, write_result
 from benchmarks.fake_replicas import FakeBackend, FakeSpec, mmlu_like_row
-from evalrun.dispatch import Dispatcher, Limits
-from evalrun.units import Parcel
+from evalrun.scale.dispatch import Dispatcher, Limits
+from evalrun.scale.units import Parcel
 
 SUBJECTS = "philosophy,nutrition,high_school_biology,high_school_geography,prehistory,marketing"
 
@@ -40,7 +40,7 @@ def _parcels(docs: int, per_parcel: int) -> list[Parcel]:
 
 
 def _store_intake(out: Path) -> Any:
-    from evalrun.ray_run import StoreIntake
+    from evalrun.scale.ray_run import StoreIntake
     from evalrun.results import RunStore
     store = RunStore.open(out, {"identity": {"bench": "ray-driver"}}, ("subject", "doc_id"))
     return store, StoreIntake(out, store, {"run_id": "bench", "task": "mmlu", "cache_mode": "fp32"})
@@ -69,8 +69,8 @@ def bench_driver(docs: int, batch_rows: int, replicas: int) -> dict[str, Any]:
 
 def bench_ray_driver(docs: int, batch_rows: int, replicas: int) -> dict[str, Any]:
     """rows/s of fake Ray actors streaming rows into the store (actor start excluded)."""
-    from evalrun.ray_backend import RayBackend, ray_instance
-    from evalrun.ray_run import RayOptions
+    from evalrun.scale.ray_backend import RayBackend, ray_instance
+    from evalrun.scale.ray_run import RayOptions
     opts = RayOptions(replicas, batch_rows=batch_rows)
     spec = FakeSpec(batch_rows=batch_rows)
     with tempfile.TemporaryDirectory() as tmp, ray_instance(opts):
@@ -85,7 +85,7 @@ def bench_ray_driver(docs: int, batch_rows: int, replicas: int) -> dict[str, Any
 
 
 def _ray_run(base: list[str], out: str, n: int) -> dict[str, Any]:
-    from evalrun.cli import main
+    from evalrun.commands.cli import main
     t0 = time.perf_counter()
     assert main([*base, "--output-dir", out, "--ray", "--replicas", str(n), "--cpus-per-replica", "1"]) == 0
     ray = json.loads(Path(out, "manifest.json").read_text())["ray"]
@@ -104,7 +104,7 @@ def bench_scaling(model: Path, data_dir: Path, subjects: str, limit: int, rounds
     import pandas as pd
     import torch
 
-    from evalrun.cli import main
+    from evalrun.commands.cli import main
     result: dict[str, Any] = {"mode": "scaling", "subjects": subjects, "limit": limit, "rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
         base = ["mmlu", "--no-progress", "--model", str(model), "--data-dir", str(data_dir), "--subjects", subjects,

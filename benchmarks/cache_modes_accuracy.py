@@ -215,7 +215,7 @@ def mmlu_subjects(data: Any, n: int) -> tuple[list[str], Optional[int]]:
 
 def run_mmlu_mode(args: argparse.Namespace, model: Model, tokenizer: Tokenizer, task: Any, mode: str) -> dict[str, Any]:
     """One `evalrun mmlu`-equivalent run (same task adapter, runner and engine defaults) in `mode`."""
-    from evalrun.runner import run_task
+    from evalrun.run.runner import run_task
     cache = PagedCache(model, max_tokens=args.mmlu_cache_tokens, page_size=args.page_size, mode=cache_format(mode))
     gen = DynamicGenerator(model, cache, tokenizer)                # evalrun: max_batch_size None, chunk 2048
     plans = list(task.plan(tokenizer, min(model.max_seq_len, cache.max_tokens)))

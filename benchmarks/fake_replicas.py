@@ -1,4 +1,4 @@
-"""In-process stand-ins for the replicas of a `--ray` run (evalrun/dispatch.py's Backend), for the
+"""In-process stand-ins for the replicas of a `--ray` run (evalrun/scale/dispatch.py's Backend), for the
 dispatcher's tests and the driver-only benchmark: every poll moves each busy replica one batch
 forward on a clock of its own, and `Faults` makes chosen replica instances die, fail, hang,
 repeat themselves or never start.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from evalrun.dispatch import Done, Event, Failed, Lost, Ready, Rows, StartFailed
+from evalrun.scale.dispatch import Done, Event, Failed, Lost, Ready, Rows, StartFailed
 
 Instance = tuple[int, int]
 
@@ -123,7 +123,7 @@ def mmlu_like_row(key: tuple) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class FakeSpec:
-    """evalrun/ray_actor.py's Replica runs this like a ReplicaSpec: no model, rows at once."""
+    """evalrun/scale/ray_actor.py's Replica runs this like a ReplicaSpec: no model, rows at once."""
     batch_rows: int = 32
     batch_seconds: float = 1.0
     heartbeat_seconds: float = 5.0

@@ -1,7 +1,7 @@
 """Issue 11, acceptance 2: the table, markdown and HTML report of a real cache-mode sweep, and the
 HTML opened in headless Chromium without network (tests/test_report_html.py's check).
 
-    python -m evalrun.cli mmlu --data-dir ../shared/data/mmlu --dtype float32 --limit 30 \\
+    python -m evalrun mmlu --data-dir ../shared/data/mmlu --dtype float32 --limit 30 \\
         --subjects <10 subjects> --cache-mode fp32,bf16,fp16,q8,q6,q4 --output-dir bench_out/sweep_smollm2
     python -m benchmarks.sweep_report --sweep-dir bench_out/sweep_smollm2 --out bench_out/sweep_report
 """
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evalrun.cli import main as evalrun
+from evalrun.commands.cli import main as evalrun
 
 
 def run(sweep_dir: Path, out: Path, by: str) -> int:

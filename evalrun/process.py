@@ -11,7 +11,7 @@
    user's (GOMP_SPINCOUNT or OMP_WAIT_POLICY) wins.
 2. glibc malloc thresholds (evalrun/malloc_tuning.py): freed activation memory stays mapped.
 
-Every entry point (the `evalrun` command, `python -m evalrun.cli`, the benchmarks, any
+Every entry point (the `evalrun` command, `python -m evalrun`, the benchmarks, any
 `import evalrun.<package>`) imports this package's __init__ first, whatever the working directory.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from evalrun.merge_cmd import PER_RUN_COLUMNS
+from evalrun.commands.merge import PER_RUN_COLUMNS
 
 
 def sorted_rows(run_dir: Path, keys: list[str]) -> pd.DataFrame:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from evalrun.engine.auto import HostFacts, SettingError, choose_cache_mode, choose_device, choose_dtype, host_facts
-from evalrun.engine_config import engine_config
+from evalrun.run.engine_config import engine_config
 from evalrun.errors import BadInput
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from evalrun.results import read_samples
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
@@ -143,7 +143,7 @@ def test_zero_row_mmlu_test_file(tiny_model_dir, tmp_path, capsys):
 
 def test_cli_warnings_are_one_line_and_the_callers_format_comes_back():
     import warnings
-    from evalrun.cli import _one_line_warnings
+    from evalrun.commands.cli import _one_line_warnings
     before = warnings.formatwarning
     with _one_line_warnings("mmlu"):
         assert warnings.formatwarning("part x moved aside", UserWarning, "/a/b.py", 7) == \

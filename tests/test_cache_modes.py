@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from evalrun.engine import Model, PagedCache
-from evalrun.cli import CACHE_MODE_CHOICES, main
+from evalrun.commands.cli import CACHE_MODE_CHOICES, main
 from evalrun.kernels.kv_format import KV_FORMATS
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from evalrun.engine import Model
-from evalrun.cli import build_parser, main
+from evalrun.commands.cli import build_parser, main
 from evalrun.results.schema import Manifest, Resume, Throughput
 from evalrun.tasks.mmlu import build_prompt
 from evalrun.tasks.mmlu_data import load_mmlu

@@ -14,8 +14,8 @@ from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.proportion import proportion_confint
 
-from evalrun.cli import main
-from evalrun.compare_cmd import compare_dirs
+from evalrun.commands.cli import main
+from evalrun.commands.compare import compare_dirs
 from evalrun.results import RunStore
 from evalrun.results.schema import SAMPLES_DIR, SAMPLES_FILE
 

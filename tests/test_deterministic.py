@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from evalrun.engine import Model
 from evalrun.engine.auto import HostFacts, SettingError, choose_deterministic
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from evalrun.kernels import gemm
 from evalrun.kernels.linear import linear, make_linear
 from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
@@ -122,7 +122,7 @@ def test_bf16_mmlu_is_bitwise_the_same_at_any_batch_size_and_after_a_kill(tiny_m
         assert np.array_equal(runs[bs][1].view(np.uint32), base.view(np.uint32)), f"batch {bs} moved a log-prob"
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--no-progress", "--dtype", "bfloat16", "--cache-mode",
+    cmd = [sys.executable, "-m", "evalrun", "mmlu", "--no-progress", "--dtype", "bfloat16", "--cache-mode",
            "bf16", *args, "--output-dir", str(out), "--flush-rows", "3", "--max-batch-size", "2"]
     sigkill_after_parts(cmd, out)
     assert _cli(*args, "--output-dir", str(out)) == 0                 # resumed at the default batch

@@ -1,4 +1,4 @@
-"""The `--ray` scheduler without Ray (evalrun/dispatch.py on benchmarks/fake_replicas.py): every
+"""The `--ray` scheduler without Ray (evalrun/scale/dispatch.py on benchmarks/fake_replicas.py): every
 row taken in exactly once, fast replicas take more, a lost replica's rows kept and the rest
 re-queued elsewhere, duplicates dropped, a parcel that fails everywhere reported after the rest
 is stored, silent and unstartable replicas killed after the timeout; parcels keep units whole."""
@@ -10,9 +10,9 @@ import time
 import pytest
 
 from benchmarks.fake_replicas import FakeBackend, Faults
-from evalrun.dispatch import Dispatcher, Limits
-from evalrun.ray_actor import stream
-from evalrun.units import Parcel, WorkUnit, pack_units, replica_parcels
+from evalrun.scale.dispatch import Dispatcher, Limits
+from evalrun.scale.ray_actor import stream
+from evalrun.scale.units import Parcel, WorkUnit, pack_units, replica_parcels
 from evalrun.tasks.base import PrefixGroup
 
 
@@ -147,7 +147,7 @@ def test_events_of_a_killed_submission_are_ignored():
     backend = FakeBackend(_row, 2)
     intake = ListIntake()
     dispatcher = Dispatcher(backend, parcels, 1, _key, intake, clock=backend.clock, log=lambda line: None)
-    from evalrun.dispatch import Rows
+    from evalrun.scale.dispatch import Rows
     dispatcher._handle(Rows(0, 99, [_row(("s0", 0))]))          # no submission has token 99
     assert intake.rows == []
     dispatcher.run()

@@ -133,7 +133,7 @@ def shape(output: str) -> list[str]:
 
 def evalrun_argv() -> list[str]:
     script = shutil.which("evalrun")
-    return [script] if script else [sys.executable, "-m", "evalrun.cli"]
+    return [script] if script else [sys.executable, "-m", "evalrun"]
 
 
 # --- (a) the README's commands ---------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_every_relative_link_and_anchor_resolves():
 def test_every_command_and_flag_is_in_docs_cli():
     import argparse
 
-    from evalrun.cli import build_parser
+    from evalrun.commands.cli import build_parser
     cli = (DOCS / "cli.md").read_text()
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     missing = []

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 
 from evalrun.engine import Model, Tokenizer
-from evalrun.cli import main
-from evalrun.runner import run_task
+from evalrun.commands.cli import main
+from evalrun.run.runner import run_task
 from evalrun.tasks.base import DocPlan, Request
 from evalrun.engine import SamplerSettings
 from evalrun.tasks.humaneval import CHAT_INSTRUCTION, HumanEvalSettings, HumanEvalTask, extract_code, sample_seed
@@ -247,7 +247,7 @@ def test_cli_keeps_going_through_adversarial_samples(tmp_path):
     records.append({"task_id": "HumanEval/0", "completion": PROBLEMS[0].canonical_solution})
     samples = _write_jsonl(tmp_path / "adv.jsonl", records)
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "evalrun.cli", "humaneval", "--no-progress", "--timeout", "2",
+    proc = subprocess.run([sys.executable, "-m", "evalrun", "humaneval", "--no-progress", "--timeout", "2",
                            "--score-samples", str(samples), "--output-dir", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -16,7 +16,7 @@ import torch
 from engine_helpers import greedy_jobs, logit_atol, random_prompts, run_jobs
 
 from evalrun.engine import DynamicGenerator, Model, PagedCache
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from evalrun.kernels import paged_decode
 from evalrun.kernels.attention import build_metadata
 from evalrun.kernels.backend import NativeCpuKernels, TorchKernels

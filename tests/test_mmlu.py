@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from run_helpers import sigkill_after_parts
 from evalrun.tasks.mmlu import MMLUTask, build_prompt
 from evalrun.tasks.mmlu_data import MMLUDoc, load_mmlu
@@ -199,7 +199,7 @@ def test_kill_9_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     full = tmp_path / "full"
     assert _cli(*args, "--output-dir", str(full)) == 0
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--no-progress", "--dtype", "float32", "--cache-mode",
+    cmd = [sys.executable, "-m", "evalrun", "mmlu", "--no-progress", "--dtype", "float32", "--cache-mode",
            "fp32", *args, "--output-dir", str(out), "--flush-rows", "3", "--max-batch-size", "2"]
     sigkill_after_parts(cmd, out)
     assert _cli(*args, "--output-dir", str(out)) == 0
@@ -215,7 +215,7 @@ def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
     """With parts flushed only every 1000 rows, a SIGTERM still leaves every finished row on disk."""
     out = tmp_path / "term"
     data_dir = _longer_fixture(tmp_path / "data", copies=25)         # 5 subjects x 200 questions
-    cmd = [sys.executable, "-m", "evalrun.cli", "mmlu", "--dtype", "float32", "--cache-mode", "fp32",
+    cmd = [sys.executable, "-m", "evalrun", "mmlu", "--dtype", "float32", "--cache-mode", "fp32",
            "--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--max-batch-size", "1",
            "--output-dir", str(out), "--flush-rows", "1000", "--flush-seconds", "1000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -237,7 +237,7 @@ def test_smollm2_predictions_match_transformers(smollm2_dir, data):
     from transformers import AutoModelForCausalLM
 
     from evalrun.engine import DynamicGenerator, Model, PagedCache, Tokenizer
-    from evalrun.runner import run_task
+    from evalrun.run.runner import run_task
 
     task = MMLUTask(subjects=["abstract_algebra", "high_school_biology", "nutrition"], limit=4, data=data)
     model = Model.load(smollm2_dir, dtype="float32")

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import evalrun.engine as engine
-from evalrun import common, pipeline
-from evalrun.engine_config import EngineConfig
-from evalrun.pipeline import ModelLoader
+from evalrun.run import common
+from evalrun.run import pipeline
+from evalrun.run.engine_config import EngineConfig
+from evalrun.run.pipeline import ModelLoader
 
 
 def _cfg(**kw: Any) -> EngineConfig:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, SamplerSettings, Tokenizer
 from evalrun.engine.verify import mark_nonfinite as _mark_nonfinite
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from evalrun.results import read_samples
 from evalrun.tasks.mmlu import build_prompt
 from evalrun.tasks.mmlu_data import load_mmlu

@@ -24,7 +24,7 @@ TOGETHER = """
 from transformers import LlamaConfig, LlamaForCausalLM
 LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1))
-import evalrun.cli, evalrun.engine, kernels
+import evalrun.commands.cli, evalrun.engine, kernels
 print(evalrun.__file__)
 print(kernels.__file__)
 """
@@ -121,7 +121,7 @@ def test_version_names_the_commit_in_a_checkout():
                               check=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pytest.skip("not a git checkout")
-    out = subprocess.run([sys.executable, "-m", "evalrun.cli", "--version"], cwd=ROOT, env=_env(),
+    out = subprocess.run([sys.executable, "-m", "evalrun", "--version"], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("evalrun 0.") and f"(git {head[:12]}" in out.stdout, out.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from evalrun.engine import Model
-from evalrun.cli import main
+from evalrun.commands.cli import main
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 

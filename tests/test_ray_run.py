@@ -19,9 +19,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from evalrun.cli import main
-from evalrun.merge_cmd import PER_RUN_SUMMARY_KEYS
-from evalrun.ray_run import DELAY_ENV, FAIL_ENV, PAUSE_ENV
+from evalrun.commands.cli import main
+from evalrun.commands.merge import PER_RUN_SUMMARY_KEYS
+from evalrun.scale.ray_run import DELAY_ENV, FAIL_ENV, PAUSE_ENV
 from evalrun.results import stored_keys
 from tests.run_helpers import assert_same_rows
 
@@ -52,10 +52,10 @@ def _mmlu_args(model: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _start(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
-    """`python -m evalrun.cli argv` in a network namespace of its own; output into `log`."""
+    """`python -m evalrun argv` in a network namespace of its own; output into `log`."""
     full = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "RAY_USAGE_STATS_ENABLED": "0", **env}
     with open(log, "w") as out:
-        return subprocess.Popen([*IN_NETNS, sys.executable, "-m", "evalrun.cli", *argv], stdout=out,
+        return subprocess.Popen([*IN_NETNS, sys.executable, "-m", "evalrun", *argv], stdout=out,
                                 stderr=subprocess.STDOUT, env=full, cwd=REPO)
 
 

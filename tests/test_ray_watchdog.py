@@ -1,4 +1,4 @@
-"""evalrun/ray_watchdog.py without Ray: when the process that started it dies (SIGKILL), or closes
+"""evalrun/scale/ray_watchdog.py without Ray: when the process that started it dies (SIGKILL), or closes
 its pipe, the watchdog ends every process of the trees it was told to watch, orphans included."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import textwrap
 import time
 from pathlib import Path
 
-from evalrun.ray_watchdog import descendants
+from evalrun.scale.ray_watchdog import descendants
 
 DRIVER = textwrap.dedent("""
     import subprocess, sys, time
-    from evalrun.ray_watchdog import Watchdog
+    from evalrun.scale.ray_watchdog import Watchdog
     tree = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
     time.sleep(0.3)
     dog = Watchdog.start()

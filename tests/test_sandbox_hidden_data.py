@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import CORRECT_0, FAST, he_spec, open_sandbox
 
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from evalrun.tasks.humaneval_data import load_humaneval, package_data_file
 
 NAMESPACE_LEVELS = ("namespaces", "userns")

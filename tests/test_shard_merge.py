@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 
 from evalrun.engine import Model
-from evalrun.cli import main
-from evalrun.merge_cmd import PER_RUN_COLUMNS, PER_RUN_SUMMARY_KEYS
+from evalrun.commands.cli import main
+from evalrun.commands.merge import PER_RUN_COLUMNS, PER_RUN_SUMMARY_KEYS
 from evalrun.results.schema import Manifest
 from tests.run_helpers import assert_same_rows
 

@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from evalrun.cli import main
+from evalrun.commands.cli import main
 
 
 def he(*args: str) -> int:

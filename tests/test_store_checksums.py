@@ -134,7 +134,7 @@ def test_a_run_from_before_checksums_is_read_unverified(tmp_path):
 
 
 def test_evalrun_rebuilds_a_truncated_samples_file_of_a_finished_run(tiny_model_dir, tmp_path, capsys):
-    from evalrun.cli import main
+    from evalrun.commands.cli import main
     fixture = Path(__file__).resolve().parent / "data" / "mmlu"
     argv = ["mmlu", "--no-progress", "--model", str(tiny_model_dir), "--data-dir", str(fixture), "--limit", "2",
             "--output-dir", str(tmp_path / "run")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from evalrun.cli import main
+from evalrun.commands.cli import main
 from evalrun.results import RunStore, read_manifest, read_samples
 
 DATA = Path(__file__).parent / "data" / "mmlu"
@@ -25,7 +25,7 @@ def _toml(path: Path, text: str) -> Path:
 
 
 def _suite_cmd(path: Path) -> list[str]:
-    return [sys.executable, "-m", "evalrun.cli", "suite", str(path), "--no-progress"]
+    return [sys.executable, "-m", "evalrun", "suite", str(path), "--no-progress"]
 
 
 def test_two_entry_suite_with_a_baseline_survives_sigkill(tmp_path, tiny_model_dir, tiny_model_factory):
@@ -147,7 +147,7 @@ output_dir = "{earlier}"
     ('output_dir = [1\n', "is not valid TOML"),
 ])
 def test_bad_suite_files_are_refused_before_any_work(tmp_path, capsys, monkeypatch, body, needle):
-    import evalrun.pipeline as pipeline
+    import evalrun.run.pipeline as pipeline
     monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.chdir(tmp_path)
     suite = _toml(tmp_path / "bad.toml", body)
@@ -163,8 +163,8 @@ def test_a_missing_suite_file_is_named(tmp_path, capsys):
 
 
 def test_the_readme_example_is_a_valid_suite(tmp_path):
-    from evalrun.cli import build_parser
-    from evalrun.suite import _RaisingParser, load_suite
+    from evalrun.commands.cli import build_parser
+    from evalrun.commands.suite import _RaisingParser, load_suite
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
     suite = load_suite(_toml(tmp_path / "example.toml", example))

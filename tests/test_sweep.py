@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import evalrun.pipeline as pipeline
-from evalrun.cli import main
+import evalrun.run.pipeline as pipeline
+from evalrun.commands.cli import main
 from evalrun.results import read_manifest, read_samples
 
 DATA = Path(__file__).parent / "data" / "mmlu"

@@ -1,4 +1,4 @@
-"""Work units (evalrun/units.py) and shard selection (evalrun/shard.py), without a model: exact
+"""Work units (evalrun/scale/units.py) and shard selection (evalrun/scale/shard.py), without a model: exact
 chunks and assignments on hand-made prefix groups, determinism, every document in exactly one
 shard, prefix groups kept whole unless the chunking rule cuts them, and the balance bound
 (heaviest shard - lightest shard <= largest unit) on MMLU-shaped and HumanEval-shaped work."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from evalrun.errors import BadInput
-from evalrun.shard import ShardSpec, parse_shard, take_shard
-from evalrun.units import UNITS_PER_SHARD, WorkUnit, assign_shards, shard_units, units_digest, work_units
+from evalrun.scale.shard import ShardSpec, parse_shard, take_shard
+from evalrun.scale.units import UNITS_PER_SHARD, WorkUnit, assign_shards, shard_units, units_digest, work_units
 from evalrun.tasks.base import PrefixGroup, estimate_tokens
 from evalrun.tasks.humaneval import HumanEvalSettings, HumanEvalTask
 from evalrun.tasks.humaneval_data import load_humaneval

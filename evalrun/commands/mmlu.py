@@ -5,13 +5,13 @@ import argparse
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from evalrun.common import (base_manifest, check_flush_args, engine_identity, model_manifest, model_name,
+from evalrun.run.common import (base_manifest, check_flush_args, engine_identity, model_manifest, model_name,
                             resolve_model_dir, stored_run)
-from evalrun.engine_config import EngineConfig, engine_config
+from evalrun.run.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
-from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
-from evalrun.ray_run import ray_options
-from evalrun.shard import TaskShard, parse_shard, take_shard
+from evalrun.run.pipeline import PreparedRun, TaskRun, execute, pending
+from evalrun.scale.ray_run import ray_options
+from evalrun.scale.shard import TaskShard, parse_shard, take_shard
 from evalrun.results import fingerprint_model_dir
 from evalrun.tasks.mmlu import PROMPT_FORMAT, MMLUTask
 from evalrun.tasks.mmlu_groups import GROUP_DISPLAY_NAME
@@ -19,7 +19,7 @@ from evalrun.tasks.mmlu_groups import GROUP_DISPLAY_NAME
 
 def run_mmlu(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if len(args.cache_modes) > 1:
-        from evalrun.sweep import run_sweep
+        from evalrun.commands.sweep import run_sweep
         return run_sweep(args, argv, "mmlu", prepare_mmlu)
     return execute(prepare_mmlu(args, argv))
 

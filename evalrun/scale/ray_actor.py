@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
 
-from evalrun.engine_config import EngineConfig
+from evalrun.run.engine_config import EngineConfig
 from evalrun.tasks.base import Answer, DocPlan, Task
 
 Put = Callable[[tuple[str, Any]], None]
@@ -66,7 +66,7 @@ class ReplicaSpec:
 
 @dataclass(frozen=True)
 class ReplicaHooks:
-    """Tests only, from the driver's environment (evalrun/ray_run.py replica_hooks()):
+    """Tests only, from the driver's environment (evalrun/scale/ray_run.py replica_hooks()):
     EVALRUN_TEST_PAUSE_REPLICA=ROWS:PIDFILE: the first replica to have sent `pause_rows` rows of one
     parcel creates `pidfile`, writes its pid there and stops streaming (it sleeps), so a test can
     SIGKILL it mid-parcel; the others, and it after a restart, find the file and go on.
@@ -97,7 +97,7 @@ class EvalWorker:
     def __init__(self, spec: ReplicaSpec):
         import torch
 
-        from evalrun.common import load_model, make_generator
+        from evalrun.run.common import load_model, make_generator
         torch.set_num_threads(max(1, spec.threads))
         self.spec = spec
         model, self.tokenizer = load_model(spec.cfg, Path(spec.model_dir))
@@ -111,7 +111,7 @@ class EvalWorker:
         return {"fits": self.fits, "max_seq_len": self.max_seq_len, "setup": self.setup_info}
 
     def run(self, doc_keys: tuple[tuple, ...], put: Put) -> dict[str, Any]:
-        from evalrun.runner import run_task
+        from evalrun.run.runner import run_task
         task = self.spec.task.restricted(doc_keys)
         plans = list(task.plan(self.tokenizer, self.fits))
         put(("prompts", {p.info["prompt_hash"]: p.prompt for p in plans if p.prompt is not None}))
@@ -155,7 +155,7 @@ def stream(items: "queue.Queue[tuple[str, Any]]", batch_rows: int, batch_seconds
 
 
 class Replica:
-    """The Ray actor (made with ray.remote by evalrun/ray_backend.py)."""
+    """The Ray actor (made with ray.remote by evalrun/scale/ray_backend.py)."""
 
     def __init__(self, spec: Any, slot: int, instance: int, hooks: Optional[ReplicaHooks] = None):
         self.spec, self.slot, self.instance, self.hooks = spec, slot, instance, hooks

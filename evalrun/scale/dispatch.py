@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Optional, Protocol, Union
 
-from evalrun.units import Parcel
+from evalrun.scale.units import Parcel
 
 
 @dataclass(frozen=True)

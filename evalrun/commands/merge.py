@@ -195,7 +195,7 @@ def _check_output_dir(out: Path, shards: Sequence[ShardRun], overwrite: bool) ->
 
 def merged_manifest(shards: Sequence[ShardRun], argv: Sequence[str]) -> dict[str, Any]:
     """The first shard's manifest less its sessions' fields, with the whole run's identity."""
-    from evalrun.shard import SHARD_IDENTITY_KEYS
+    from evalrun.scale.shard import SHARD_IDENTITY_KEYS
     from evalrun.results import environment_info
     from evalrun.results.manifest import utc_now
     first = shards[0].manifest
@@ -212,7 +212,7 @@ def merged_manifest(shards: Sequence[ShardRun], argv: Sequence[str]) -> dict[str
 def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
                  overwrite: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Write the merged run into `out` (shards in index order); returns its rows and overall summary."""
-    from evalrun.common import clean
+    from evalrun.run.common import clean
     from evalrun.results import RunStore, read_prompts, write_prompts, write_summary
     from evalrun.results.manifest import utc_now
     first = shards[0].manifest

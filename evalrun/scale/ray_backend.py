@@ -1,4 +1,4 @@
-"""Ray under the dispatcher (evalrun/dispatch.py's Backend): one actor per slot, one streaming call
+"""Ray under the dispatcher (evalrun/scale/dispatch.py's Backend): one actor per slot, one streaming call
 per parcel; and the Ray instance: a local one started for the run and stopped after it, or a
 running cluster joined at --ray-address (left running; our actors end with our connection).
 
@@ -9,7 +9,7 @@ running cluster joined at --ray-address (left running; our actors end with our c
 
 NOTE: a local instance shares the driver's fate: Ray gives its head processes PR_SET_PDEATHSIG and
 the workers end with their raylet, but its agents outlive a SIGKILLed driver by a minute or more,
-so evalrun/ray_watchdog.py ends them (tests/test_ray_run.py SIGKILLs the driver to check).
+so evalrun/scale/ray_watchdog.py ends them (tests/test_ray_run.py SIGKILLs the driver to check).
 SIGTERM keeps the CLI's handler (SystemExit): actors killed, rows flushed, then Ray stopped.
 """
 from __future__ import annotations
@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from evalrun.dispatch import Done, Event, Failed, Lost, Ready, Rows, StartFailed
+from evalrun.scale.dispatch import Done, Event, Failed, Lost, Ready, Rows, StartFailed
 from evalrun.errors import BadInput
-from evalrun.ray_actor import Replica, ReplicaHooks
-from evalrun.ray_watchdog import Watchdog, children_of
+from evalrun.scale.ray_actor import Replica, ReplicaHooks
+from evalrun.scale.ray_watchdog import Watchdog, children_of
 
 if TYPE_CHECKING:
-    from evalrun.ray_run import RayOptions
+    from evalrun.scale.ray_run import RayOptions
 
 INSTALL_HINT = ("--ray needs Ray, an optional extra: pip install 'evalrun[ray]' (or pip install 'ray[default]'), "
                 "on the driver and on every node of the cluster")

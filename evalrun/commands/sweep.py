@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from evalrun.common import model_name
-from evalrun.pipeline import ModelLoader, PreparedRun, execute
-from evalrun.shard import shard_suffix
+from evalrun.run.common import model_name
+from evalrun.run.pipeline import ModelLoader, PreparedRun, execute
+from evalrun.scale.shard import shard_suffix
 
 Prepare = Callable[[argparse.Namespace, Sequence[str]], PreparedRun]
 
@@ -61,7 +61,7 @@ def run_sweep(args: argparse.Namespace, argv: Sequence[str], command: str, prepa
         if status:
             return status
     print(f"\n=== {command} cache-mode sweep: {', '.join(modes)} against {modes[0]}")
-    from evalrun.compare_cmd import compare_dirs
+    from evalrun.commands.compare import compare_dirs
     comparison = compare_dirs([str(d) for d in dirs], labels=modes, selection=prepared[0].todo.keys)
     from evalrun.results.compare_format import render_table
     print(render_table(comparison), end="")

@@ -69,7 +69,7 @@ def add_suite_parser(sub: argparse._SubParsersAction) -> None:
                                    "Suites run whole tasks: --shard is for evalrun mmlu/humaneval.")
     p.add_argument("file", metavar="FILE.toml", help="the suite")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
-    from evalrun.ray_run import add_ray_args
+    from evalrun.scale.ray_run import add_ray_args
     add_ray_args(p)
 
 
@@ -148,7 +148,7 @@ def _baseline(raw: Any, models: list[str], where: str) -> Optional[Baseline]:
         max_drop, alpha = float(b.get("max_drop", 1.0)), float(b.get("alpha", 0.05))
     except (TypeError, ValueError):
         raise BadInput(f"{where} [baseline]: max_drop and alpha must be numbers") from None
-    from evalrun.compare_cmd import check_gate_args
+    from evalrun.commands.compare import check_gate_args
     check_gate_args(max_drop, alpha)
     required = b.get("require_baseline", False)
     if not isinstance(required, bool):
@@ -211,12 +211,12 @@ def _without(table: dict[str, Any], *keys: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ running it
 
 def run_suite(args: argparse.Namespace) -> int:
-    from evalrun.cli import build_parser
-    from evalrun.pipeline import ModelLoader, execute
+    from evalrun.commands.cli import build_parser
+    from evalrun.run.pipeline import ModelLoader, execute
     suite = load_suite(Path(args.file))
     parser = build_parser(_RaisingParser)
-    from evalrun.ray_run import ray_argv
-    from evalrun.sweep import one_mode
+    from evalrun.scale.ray_run import ray_argv
+    from evalrun.commands.sweep import one_mode
     prepared = []
     for entry in suite.entries:                   # every entry checked before anything runs
         argv = entry.argv + (["--no-progress"] if args.no_progress else []) + ray_argv(args)
@@ -253,9 +253,9 @@ def _check_entry(ns: argparse.Namespace, entry: SuiteEntry) -> None:
 
 def _prepare(task: str) -> Any:
     if task == "mmlu":
-        from evalrun.mmlu_cmd import prepare_mmlu
+        from evalrun.commands.mmlu import prepare_mmlu
         return prepare_mmlu
-    from evalrun.humaneval_cmd import prepare_humaneval
+    from evalrun.commands.humaneval import prepare_humaneval
     return prepare_humaneval
 
 
@@ -274,7 +274,7 @@ def _write_tables(suite: Suite, selections: list[list[tuple]]) -> None:
     printed and written beside the runs."""
     import json
 
-    from evalrun.compare_cmd import compare_dirs
+    from evalrun.commands.compare import compare_dirs
     from evalrun.results.atomic import atomic_write_text
     from evalrun.results.compare_format import render_csv, render_markdown, render_table
     markdown, csv_parts, records = [], [], []
@@ -312,7 +312,7 @@ def gate_pairs(suite: Suite) -> tuple[list[tuple[Path, Path]], list[Path]]:
 
 
 def _gate(suite: Suite) -> int:
-    from evalrun.compare_cmd import EXIT_REGRESSION, format_gate, gate, regress_comparison
+    from evalrun.commands.compare import EXIT_REGRESSION, format_gate, gate, regress_comparison
     b = suite.baseline
     assert b is not None
     pairs, unmatched = gate_pairs(suite)

@@ -1,7 +1,7 @@
 """The local Ray instance's watchdog: a small process of its own session that ends every process of
 the instance when the driver goes, however it goes (SIGKILL included).
 
-    Watchdog.start()                 python -I -m evalrun.ray_watchdog, stdin a pipe from the driver
+    Watchdog.start()                 python -I -m evalrun.scale.ray_watchdog, stdin a pipe from the driver
     watchdog.watch(pids)             the instance's root processes (the driver's children ray.init made)
         the watchdog, every 0.25 s:  remembers the roots and all their descendants (pid, start time)
     watchdog.close() / driver death  the pipe's end: it SIGKILLs every remembered process still alive
@@ -67,7 +67,7 @@ class Watchdog:
 
     @classmethod
     def start(cls) -> "Watchdog":
-        proc = subprocess.Popen([sys.executable, "-I", "-m", "evalrun.ray_watchdog"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-I", "-m", "evalrun.scale.ray_watchdog"], stdin=subprocess.PIPE,
                                 start_new_session=True)        # no terminal signal reaches it
         return cls(proc)
 

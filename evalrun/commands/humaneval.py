@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from evalrun.engine import SamplerSettings
-from evalrun.common import (base_manifest, check_flush_args, clean, engine_identity, model_manifest, model_name,
+from evalrun.run.common import (base_manifest, check_flush_args, clean, engine_identity, model_manifest, model_name,
                             resolve_model_dir, stored_run)
-from evalrun.engine_config import EngineConfig, engine_config
+from evalrun.run.engine_config import EngineConfig, engine_config
 from evalrun.errors import BadInput
-from evalrun.humaneval_samples import export_samples, read_samples_file, score_samples
-from evalrun.pipeline import PreparedRun, TaskRun, execute, pending
-from evalrun.ray_run import ray_options
-from evalrun.shard import TaskShard, parse_shard, take_shard
+from evalrun.commands.humaneval_samples import export_samples, read_samples_file, score_samples
+from evalrun.run.pipeline import PreparedRun, TaskRun, execute, pending
+from evalrun.scale.ray_run import ray_options
+from evalrun.scale.shard import TaskShard, parse_shard, take_shard
 from evalrun.results import (RunStore, check_resumable, fingerprint_model_dir, read_samples, stored_keys,
                      write_summary)
 from evalrun.results.manifest import utc_now
@@ -41,7 +41,7 @@ def run_humaneval(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise BadInput("--score-samples scores a samples file whole, here; it takes no --shard or --ray")
         return _run_scoring(args, argv, load_humaneval(args.data_file, args.hub), limits)
     if len(args.cache_modes) > 1:
-        from evalrun.sweep import run_sweep
+        from evalrun.commands.sweep import run_sweep
         return run_sweep(args, argv, "humaneval", prepare_humaneval)
     return execute(prepare_humaneval(args, argv))
 

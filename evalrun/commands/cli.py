@@ -39,9 +39,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     _run_args(mmlu)
     _humaneval_parser(sub)
     _show_parser(sub)
-    from evalrun.compare_cmd import add_compare_parser, add_regress_parser
-    from evalrun.merge_cmd import add_merge_parser
-    from evalrun.suite import add_suite_parser
+    from evalrun.commands.compare import add_compare_parser, add_regress_parser
+    from evalrun.commands.merge import add_merge_parser
+    from evalrun.commands.suite import add_suite_parser
     add_compare_parser(sub)
     add_regress_parser(sub)
     add_suite_parser(sub)
@@ -216,7 +216,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="when the model's logits at a scored position hold NaN or Inf: 'error' stops the run "
                         "naming the first such question or sample (exit 1, the rows before it kept); 'flag' "
                         "records it as wrong with nonfinite_logits=true and goes on (default: error)")
-    from evalrun.ray_run import add_ray_args
+    from evalrun.scale.ray_run import add_ray_args
     add_ray_args(p)
 
 
@@ -272,25 +272,25 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Option
     from evalrun.errors import BadInput, RunFailed, as_bad_input
     try:
         if args.command == "mmlu":
-            from evalrun.mmlu_cmd import run_mmlu
+            from evalrun.commands.mmlu import run_mmlu
             return run_mmlu(args, argv if argv is not None else sys.argv[1:])
         if args.command == "humaneval":
-            from evalrun.humaneval_cmd import run_humaneval
+            from evalrun.commands.humaneval import run_humaneval
             return run_humaneval(args, argv if argv is not None else sys.argv[1:])
         if args.command == "show":
-            from evalrun.show_cmd import run_show
+            from evalrun.commands.show import run_show
             return run_show(args)
         if args.command == "compare":
-            from evalrun.compare_cmd import run_compare
+            from evalrun.commands.compare import run_compare
             return run_compare(args)
         if args.command == "regress":
-            from evalrun.compare_cmd import run_regress
+            from evalrun.commands.compare import run_regress
             return run_regress(args)
         if args.command == "suite":
-            from evalrun.suite import run_suite
+            from evalrun.commands.suite import run_suite
             return run_suite(args)
         if args.command == "merge":
-            from evalrun.merge_cmd import run_merge
+            from evalrun.commands.merge import run_merge
             return run_merge(args, argv if argv is not None else sys.argv[1:])
     except RunFailed as exc:
         print(f"evalrun {args.command}: error: {exc}", file=sys.stderr)

@@ -4,10 +4,10 @@ load the model, queue every remaining request, store rows as they finish, summar
     command's prepare(args) ──► PreparedRun: TaskRun (decided without a model) + pending(run)
     execute(prepared, loader) ──► nothing left: report the stored rows
                               ├──► generate(run, ...): model (loaded once per ModelLoader), store, rows, summary
-                              └──► --ray: evalrun/ray_run.py, rows from Ray replicas, the same store and summary
+                              └──► --ray: evalrun/scale/ray_run.py, rows from Ray replicas, the same store and summary
                                    (both end in finish_session)
 
-Sweeps (evalrun/sweep.py) and suites (evalrun/suite.py) prepare every run first, so a bad
+Sweeps (evalrun/commands/sweep.py) and suites (evalrun/commands/suite.py) prepare every run first, so a bad
 setting or a mismatched run directory is refused before anything is computed, then execute
 them one after another with one ModelLoader.
 
@@ -24,17 +24,17 @@ from pathlib import Path
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
-from evalrun.common import clean, generator_throughput, load_model, make_generator
-from evalrun.engine_config import EngineConfig, announce
-from evalrun.runner import run_task
+from evalrun.run.common import clean, generator_throughput, load_model, make_generator
+from evalrun.run.engine_config import EngineConfig, announce
+from evalrun.run.runner import run_task
 from evalrun.results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
                      write_summary)
 from evalrun.results.manifest import utc_now
 from evalrun.tasks.base import Task
 
 if TYPE_CHECKING:
-    from evalrun.ray_actor import ReplicaSetup
-    from evalrun.ray_run import RayOptions
+    from evalrun.scale.ray_actor import ReplicaSetup
+    from evalrun.scale.ray_run import RayOptions
 
 # report(rows of the selection, summary rows, overall, this session's throughput or None, run dir)
 Report = Callable[[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], Optional[dict], Path], None]
@@ -125,7 +125,7 @@ def execute(prepared: PreparedRun, loader: Optional[ModelLoader] = None) -> int:
     announce(p.command, p.cfg)
     with p.context():
         if p.ray is not None:
-            from evalrun.ray_run import ray_generate
+            from evalrun.scale.ray_run import ray_generate
             return ray_generate(p)
         return generate(p.run, p.todo, p.cfg, p.model_dir, p.report, loader or ModelLoader())
 

@@ -10,11 +10,11 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from evalrun.engine_config import EngineConfig
+from evalrun.run.engine_config import EngineConfig
 from evalrun.errors import BadInput
 
 if TYPE_CHECKING:
-    from evalrun.shard import TaskShard
+    from evalrun.scale.shard import TaskShard
 
 
 def check_flush_args(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from evalrun.errors import BadInput
-from evalrun.units import WorkUnit, assign_shards, shard_units, units_digest
+from evalrun.scale.units import WorkUnit, assign_shards, shard_units, units_digest
 from evalrun.tasks.base import Task
 
 SHARD_IDENTITY_KEYS = ("shard", "shard_selection")       # in a shard's identity only

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 from evalrun.errors import BadInput, RunFailed
 
 if TYPE_CHECKING:
-    from evalrun.engine_config import EngineConfig
-    from evalrun.pipeline import PreparedRun
+    from evalrun.run.engine_config import EngineConfig
+    from evalrun.run.pipeline import PreparedRun
     from evalrun.results import RunStore
 
-PAUSE_ENV = "EVALRUN_TEST_PAUSE_REPLICA"      # tests: ROWS:PIDFILE (evalrun/ray_actor.py ReplicaHooks)
+PAUSE_ENV = "EVALRUN_TEST_PAUSE_REPLICA"      # tests: ROWS:PIDFILE (evalrun/scale/ray_actor.py ReplicaHooks)
 DELAY_ENV = "EVALRUN_TEST_REPLICA_DELAY"      # tests: SECONDS after each message
 FAIL_ENV = "EVALRUN_TEST_FAIL_DOC"            # tests: a document key (JSON) whose parcel raises everywhere
 _RAY_FLAGS = {"ray_address": "--ray-address", "replicas": "--replicas", "gpus_per_replica": "--gpus-per-replica",
@@ -98,7 +98,7 @@ def ray_options(args: argparse.Namespace, cfg: "EngineConfig") -> Optional[RayOp
                       _or(args.cpus_per_replica, 1.0), _or(args.ray_timeout, 600.0), _or(args.ray_batch_rows, 32),
                       execute_on)
     _check(opts, cuda)
-    from evalrun.ray_backend import require_ray
+    from evalrun.scale.ray_backend import require_ray
     require_ray()
     return opts
 
@@ -186,7 +186,7 @@ def replica_hooks() -> Any:
     $EVALRUN_TEST_FAIL_DOC (None: all unset)."""
     import json
 
-    from evalrun.ray_actor import ReplicaHooks
+    from evalrun.scale.ray_actor import ReplicaHooks
     pause, delay, fail = os.environ.get(PAUSE_ENV), os.environ.get(DELAY_ENV), os.environ.get(FAIL_ENV)
     if not pause and not delay and not fail:
         return None
@@ -198,11 +198,11 @@ def replica_hooks() -> Any:
 def ray_generate(p: "PreparedRun") -> int:
     """Compute what `p` has left on Ray replicas (see the module's diagram); returns 0, or raises
     RunFailed naming the parcels that failed on every replica once everything else is written."""
-    from evalrun.dispatch import Dispatcher, Limits
-    from evalrun.pipeline import Session, finish_session, open_store, say_resuming
-    from evalrun.ray_actor import ReplicaSpec
-    from evalrun.ray_backend import RayBackend, ray_instance
-    from evalrun.units import replica_parcels
+    from evalrun.scale.dispatch import Dispatcher, Limits
+    from evalrun.run.pipeline import Session, finish_session, open_store, say_resuming
+    from evalrun.scale.ray_actor import ReplicaSpec
+    from evalrun.scale.ray_backend import RayBackend, ray_instance
+    from evalrun.scale.units import replica_parcels
     from evalrun.results import throughput
     opts, run = p.ray, p.run
     assert opts is not None
