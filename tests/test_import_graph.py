@@ -15,7 +15,9 @@ from typing import Dict, List, Set, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "evalrun"
 # Imported inside functions only: optional dependencies (an extra, or a GPU stack), loaded where used.
-OPTIONAL = {"ray", "triton", "flash_attn", "transformers", "gguf"}
+OPTIONAL = {"ray", "triton", "flash_attn", "transformers", "gguf",
+            # the hub path only: a run from local files never pays their import
+            "datasets", "huggingface_hub"}
 # Files run as scripts in another interpreter (the sandbox's child): not part of the import graph.
 SCRIPTS = {"evalrun/tasks/sandbox/sources.py"}
 
