@@ -21,6 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
+from evalrun.kernels.cpu.host import cpu_flags
+
 AUTO = "auto"
 DEVICES = ("cpu", "cuda")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -49,8 +53,6 @@ class Choice:
 
 
 def host_facts() -> HostFacts:
-    import torch
-    from evalrun.kernels.cpu import cpu_flags
     available = torch.cuda.is_available()
     return HostFacts(cpu_flags(), available, torch.version.cuda, torch.cuda.device_count() if available else 0)
 

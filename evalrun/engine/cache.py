@@ -16,17 +16,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
 from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
 
+from .config import ModelConfig
 from .page_pool import PagePool
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
-    from .model import Model
 
 CACHE_MODES = KV_FORMATS
 DEFAULT_MAX_TOKENS = 65536
@@ -82,7 +79,7 @@ class CachePlan:
                 + self.window_slots * self.window_bytes_per_job)
 
 
-def plan_cache(cfg: "ModelConfig", mode: "str | KVFormat", page_size: int = 256, max_tokens: Optional[int] = None,
+def plan_cache(cfg: ModelConfig, mode: "str | KVFormat", page_size: int = 256, max_tokens: Optional[int] = None,
                max_memory: Optional[int] = None, max_jobs: Optional[int] = None,
                window: Optional[int] = None) -> CachePlan:
     """Size a cache; ValueError names what is wrong. The default window (a format's own) is
@@ -122,11 +119,13 @@ def plan_cache(cfg: "ModelConfig", mode: "str | KVFormat", page_size: int = 256,
 
 
 class PagedCache:
-    def __init__(self, model: "Model", max_tokens: Optional[int] = None, page_size: int = 256,
+    def __init__(self, model: Any, max_tokens: Optional[int] = None, page_size: int = 256,
                  mode: "str | KVFormat" = "bf16", max_memory: Optional[int] = None,
                  max_jobs: Optional[int] = None, window: Optional[int] = None):
         """Sized by `plan_cache`. max_jobs: running jobs the recent-token window store holds
-        (windowed formats), the limit on running jobs. window: overrides the format's."""
+        (windowed formats), the limit on running jobs. window: overrides the format's.
+        model: the Model whose K/V this holds (its config, dtype, device, and `kernel_plan`, which
+        resolves the kernels every op on this cache runs: `self.kernels`)."""
         if mode == "auto":
             mode = auto_cache_mode(model.dtype)
         cfg = model.config
@@ -138,7 +137,7 @@ class PagedCache:
         self.format = fmt
         self.mode = fmt.name
         self.page_size = page_size
-        self.kernels = model.kernels
+        self.kernels = model.kernel_plan(fmt, page_size)      # the KernelPlan of every op on these pages
         self.pool = PagePool(self.num_pages, page_size)
         self.layers = [LayerKV.allocate(fmt, self.num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
                                         model.device, self.window_slots) for _ in range(cfg.num_layers)]

@@ -26,20 +26,40 @@ buffers, the padding and the metadata without a GPU (tests/test_triton_kernels.p
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from evalrun.kernels.attention import AttentionMetadata
+from evalrun.kernels.cuda.triton_attention import SPLIT_LEN
+
+from .cache import PagedCache
+from .config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from .cache import PagedCache
-    from .model import ForwardBatch, Model
+
+class ForwardBatch(Protocol):
+    """engine/model.py's ForwardBatch, as the graphs read it (a static batch is a copy of the first
+    real one with its tensors replaced)."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+
+
+class Model(Protocol):
+    """What the graphs need of engine/model.py's Model."""
+    config: ModelConfig
+    device: torch.device
+    max_seq_len: int
+
+    def eager_forward(self, batch: Any, cache: PagedCache) -> torch.Tensor: ...
 
 MAX_ROWS = 256
 SPLIT_BUDGET = 256 * 2**20        # bytes of float32 split partials ([rows, Hq, splits, D]) a bucket may hold
@@ -85,7 +105,7 @@ def eager_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None],
 
 @dataclass
 class _Bucket:
-    batch: "ForwardBatch"                     # the static inputs
+    batch: ForwardBatch                     # the static inputs
     rows: int = 0                             # real rows of the last batch loaded (the rest are padding)
     replay: Callable[[], None] = field(default=lambda: None)
     logits: Optional[torch.Tensor] = None     # [Bb, V], written by each replay
@@ -96,9 +116,8 @@ class DecodeGraphs:
     keeps one DecodeGraphs per cache in a WeakKeyDictionary, which a strong reference to the cache
     would pin, and one to the model would make a cycle that only the cyclic GC frees."""
 
-    def __init__(self, model: "Model", cache: "PagedCache", capture: Optional[Capture] = None,
+    def __init__(self, model: Model, cache: PagedCache, capture: Optional[Capture] = None,
                  max_rows: int = MAX_ROWS):
-        from evalrun.kernels.triton_attention import SPLIT_LEN
         self._model, self._cache = weakref.ref(model), weakref.ref(cache)
         self.capture = capture or self._cuda_capture
         self.device = model.device
@@ -112,43 +131,26 @@ class DecodeGraphs:
         self._buckets: dict[int, Optional[_Bucket]] = {}     # None: its capture failed, it runs eagerly
         self._pool: Any = None
 
-    @staticmethod
-    def supports(model: "Model", cache: "PagedCache") -> bool:
-        """The Triton kernels (graph-safe: no host sync in a decode step; not the flash-attn
-        backend) take every layer: K/V writes (which skip the padding rows' slot -1) and decode
-        attention; no recent-token window (its store is written outside the kernels)."""
-        from evalrun.kernels import triton_attention, triton_cache_ops
-        from evalrun.kernels.backend import FlashAttnKernels, TritonKernels
-        if not isinstance(model.kernels, TritonKernels) or isinstance(model.kernels, FlashAttnKernels):
-            return False
-        if cache.window:
-            return False
-        cfg = model.config
-        q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
-        k = torch.empty(1, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=model.device)
-        return all((triton_cache_ops.supported(k, k, layer) or triton_cache_ops.quant_supported(k, k, layer))
-                   and triton_attention.supported(q, layer) for layer in cache.layers)
-
-    def pages_match(self, cache: "PagedCache") -> bool:
+    def pages_match(self, cache: PagedCache) -> bool:
         """The cache still has the page tensors the graphs were recorded on (their addresses are in
         the graphs)."""
         return _page_ptrs(cache) == self.pages
 
-    def applies(self, batch: "ForwardBatch") -> bool:
+    def applies(self, batch: ForwardBatch) -> bool:
         """A batch of single-token rows, each its own sequence, every row's logits wanted."""
         attn, t = batch.attn, batch.input_ids.shape[0]
         return (0 < t <= self.sizes[-1] and attn.num_decode == t and not attn.prefill
                 and batch.logits_indices.shape[0] == t and attn.page_table.shape[1] <= self.max_pages
                 and attn.max_seqlen_k <= self.max_len)
 
-    def run(self, batch: "ForwardBatch") -> torch.Tensor:
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The batch's logits [B, V] float32 through the bucket's graph (captured on first use; a
         bucket whose capture fails runs eagerly from then on, with a warning).
         NOTE: the caller checked `applies`; logits_indices of a decode batch are its rows in order."""
         t = batch.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= t)
         if size not in self._buckets:
-            self._buckets[size] = self._record(size)
+            self._buckets[size] = self._record(size, batch)
         bucket = self._buckets[size]
         if bucket is None:
             return self._model().eager_forward(batch, self._cache())
@@ -157,8 +159,8 @@ class DecodeGraphs:
         bucket.replay()
         return bucket.logits[:t].clone()
 
-    def _record(self, size: int) -> Optional[_Bucket]:
-        bucket = _Bucket(self._static_batch(size))
+    def _record(self, size: int, template: ForwardBatch) -> Optional[_Bucket]:
+        bucket = _Bucket(self._static_batch(size, template))
         model, cache = self._model, self._cache
         try:
             bucket.replay, bucket.logits = self.capture(lambda: model().eager_forward(bucket.batch, cache()))
@@ -172,9 +174,9 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()      # one memory pool for every bucket
         return cuda_capture(step, self._pool, self.device)
 
-    def _static_batch(self, size: int) -> "ForwardBatch":
-        """All rows padding (they write nothing), so capturing changes no page."""
-        from .model import ForwardBatch
+    def _static_batch(self, size: int, template: ForwardBatch) -> ForwardBatch:
+        """All rows padding (they write nothing), so capturing changes no page; a batch of the
+        template's type."""
         dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
         attn = AttentionMetadata(
@@ -183,11 +185,11 @@ class DecodeGraphs:
             page_table=torch.full((size, self.max_pages), self.null_page, **i32), page_size=self.page_size,
             num_decode=size, decode_slots=None, decode_mask=None, prefill=[], null_page=self.null_page)
         i64 = dict(dtype=torch.long, device=dev)
-        return ForwardBatch(input_ids=torch.zeros(size, **i64), positions=torch.zeros(size, **i64),
+        return dataclasses.replace(template, input_ids=torch.zeros(size, **i64), positions=torch.zeros(size, **i64),
                             slot_mapping=torch.full((size,), -1, **i64), attn=attn,
                             logits_indices=torch.arange(size, **i64))
 
-    def _load(self, bucket: _Bucket, batch: "ForwardBatch", t: int) -> None:
+    def _load(self, bucket: _Bucket, batch: ForwardBatch, t: int) -> None:
         """batch's t rows into the bucket's static buffers; rows the previous batch used beyond t
         back to padding (rows beyond it are padding already)."""
         static, s, a = bucket.batch, bucket.batch.attn, batch.attn
@@ -208,5 +210,5 @@ class DecodeGraphs:
         torch.add(s.cu_seqlens_q[1: s.cu_seqlens_q.shape[0] - t], s.cu_seqlens_k[t], out=s.cu_seqlens_k[t + 1:])
         bucket.rows = t
 
-def _page_ptrs(cache: "PagedCache") -> tuple[int, ...]:
+def _page_ptrs(cache: PagedCache) -> tuple[int, ...]:
     return tuple(t.data_ptr() for layer in cache.layers for t in layer.tensors())

@@ -10,34 +10,49 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from evalrun.kernels.attention import AttentionMetadata
-from evalrun.kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
-from evalrun.kernels.decode_step import DecodeStep, LayerParts
-from evalrun.kernels.linear import Linear, linear, linear_backend
+from evalrun.kernels.backend import KernelPlan, PlanKey, TorchKernels, choose_kernels
+from evalrun.kernels.cpu.decode_step import DecodeStep, LayerParts
+from evalrun.kernels.kv_format import KVFormat
+from evalrun.kernels.linear import Linear, invariant_unavailable_reason, linear, linear_backend
 from evalrun.kernels.linear import make_linear as _make_linear
 
+from .auto import choose_dtype, host_facts
+from .cache import PagedCache, resolve_format
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs
 from .rope import rope_inv_freq, rope_table
 from .weights import WeightReader
-
-if TYPE_CHECKING:
-    from .cache import PagedCache
-    from .cuda_graphs import DecodeGraphs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False) -> dict[str, str]:
-    """Which kernels a model with these settings runs (recorded in run manifests)."""
-    from .cache import CACHE_MODES
-    kernels = choose_kernels(device, deterministic)
-    return {"linear": linear_backend(device, DTYPES[dtype], deterministic), "backend": kernels.name,
-            **kernels.describe(CACHE_MODES[cache_mode])}
+def plan_key(config: ModelConfig, fmt: KVFormat, page_size: int, device: "str | torch.device",
+             dtype: torch.dtype, deterministic: bool = False) -> PlanKey:
+    """What a model's kernel plan over one cache is resolved for (Model.kernel_plan, the manifest)."""
+    return PlanKey(torch.device(device).type, dtype, fmt, page_size, config.num_heads, config.num_kv_heads,
+                   config.head_dim, config.intermediate_size, deterministic)
+
+
+def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False,
+                    config: Optional[ModelConfig] = None, page_size: int = 256,
+                    window: Optional[int] = None) -> dict[str, str]:
+    """The kernel plan a model of `config` with these settings runs (recorded in run manifests):
+    the backend, the linears' kernel (layers and the float32 LM head) and the plan's names, by the
+    same resolution Model.kernel_plan makes when the cache is made."""
+    fmt = resolve_format(cache_mode, page_size, window)
+    if config is None:           # a nominal Llama head (8 heads of 64, no GQA) where no config is given
+        key = PlanKey(torch.device(device).type, DTYPES[dtype], fmt, page_size, 8, 8, 64, 0, deterministic)
+    else:
+        key = plan_key(config, fmt, page_size, device, DTYPES[dtype], deterministic)
+    plan = choose_kernels(device, deterministic).plan(key)
+    return {"backend": plan.backend, "linear": key.linear,
+            "lm_head": linear_backend(device, torch.float32, deterministic), **plan.describe()}
 
 
 @dataclass
@@ -65,7 +80,7 @@ class Model:
                  kernels: Optional[TorchKernels] = None, deterministic: bool = False, cuda_graphs: bool = False):
         self.config = config
         self.deterministic = deterministic     # batch-invariant linears (evalrun/kernels/linear.py), any dtype
-        self.kernels = kernels or choose_kernels(device, deterministic)   # every cache op goes through this
+        self.kernels = kernels or choose_kernels(device, deterministic)   # resolves each cache's KernelPlan
         self.dtype = dtype
         self.device = device
         self.embed = embed
@@ -75,7 +90,7 @@ class Model:
         cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
-        self._steps: "weakref.WeakKeyDictionary[PagedCache, Optional[DecodeStep]]" = weakref.WeakKeyDictionary()
+        self._steps: "weakref.WeakKeyDictionary[PagedCache, DecodeStep]" = weakref.WeakKeyDictionary()
         # decode steps as CUDA graphs (evalrun/engine/cuda_graphs.py), per cache; graph_capture: how a
         # bucket is recorded (None: a real CUDA graph; tests set a stand-in)
         self.cuda_graphs = cuda_graphs
@@ -94,14 +109,12 @@ class Model:
         cuda_graphs: on CUDA with the Triton kernels, pure decode steps replay CUDA graphs
         (evalrun/engine/cuda_graphs.py); False runs every step eagerly."""
         if dtype == "auto":
-            from .auto import choose_dtype, host_facts
             dtype = choose_dtype("auto", device, host_facts()).value
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but CUDA is not available")
         if deterministic:
-            from evalrun.kernels.linear import invariant_unavailable_reason
             reason = invariant_unavailable_reason(device)
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
@@ -111,6 +124,11 @@ class Model:
         model = _build(config, reader, DTYPES[dtype], torch.device(device), kernels, deterministic)
         model.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         return model
+
+    def kernel_plan(self, fmt: KVFormat, page_size: int) -> KernelPlan:
+        """The kernels this model runs over a cache of `fmt` and `page_size` (resolved once per key;
+        PagedCache keeps it as `cache.kernels`)."""
+        return self.kernels.plan(plan_key(self.config, fmt, page_size, self.device, self.dtype, self.deterministic))
 
     @property
     def max_seq_len(self) -> int:
@@ -129,15 +147,14 @@ class Model:
         they do not apply; rebuilt if the cache's pages were ever replaced."""
         graphs = self._graphs.get(cache, False)
         if graphs is False or (graphs is not None and not graphs.pages_match(cache)):
-            from .cuda_graphs import DecodeGraphs
-            graphs = DecodeGraphs(self, cache, self.graph_capture) if DecodeGraphs.supports(self, cache) else None
+            graphs = DecodeGraphs(self, cache, self.graph_capture) if cache.kernels.cuda_graphs else None
             self._graphs[cache] = graphs
         return graphs
 
     @torch.inference_mode()
     def eager_forward(self, batch: ForwardBatch, cache: "PagedCache") -> torch.Tensor:
         """forward without CUDA graphs."""
-        cfg = self.config
+        cfg, plan = self.config, cache.kernels
         x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
         cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
         sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
@@ -157,36 +174,34 @@ class Model:
             for i, layer in enumerate(self.layers):
                 keep = rows if prune and i == last else None
                 x = self._attention(i, layer, x, cos, sin, batch, cache, keep)   # x + attention
-                h = self.kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-                x = linear(self.kernels.gate_up_silu(h, layer.w_gate_up), layer.w_down, residual=x)
+                h = plan.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+                x = linear(plan.gate_up_silu(h, layer.w_gate_up), layer.w_down, residual=x)
             if prune:
-                return self._head(x, None)
-        return self._head(x, batch.logits_indices)
+                return self._head(x, None, plan)
+        return self._head(x, batch.logits_indices, plan)
 
-    def _head(self, x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    def _head(self, x: torch.Tensor, rows: Optional[torch.Tensor], plan: KernelPlan) -> torch.Tensor:
         """The final norm and the LM head at `rows` of x (None: every row): float32 logits [N, V]."""
         h = (x if rows is None else x.index_select(0, rows)).float()      # [N, H]
-        h = self.kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        h = plan.head_norm(h, self.final_norm, self.config.rms_norm_eps)
         return linear(h, self.lm_head)
 
     def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
-        """The native decode step for this cache (evalrun/kernels/decode_step.py), or None where it does
-        not apply (another dtype, device, cache mode or kernel backend). Built once per cache and
-        rebuilt if the cache's pages were ever replaced."""
-        if cache in self._steps:
-            step = self._steps[cache]
-            if step is None or step.pages_match([cache.layer(i) for i in range(len(self.layers))]):
-                return step
-        step = None
-        if isinstance(self.kernels, NativeCpuKernels) and self.kernels.fused_available:
-            cfg = self.config
-            parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
-                     for i, ly in enumerate(self.layers)]
-            if DecodeStep.supports(parts, self.dtype, self.device, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                                   cfg.head_dim, cfg.intermediate_size):
-                step = DecodeStep(parts, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  cfg.intermediate_size, cfg.rms_norm_eps)
-        self._steps[cache] = step
+        """The native decode step for this cache (kernels/cpu/decode_step.py), or None where its plan
+        has none. Built once per cache and rebuilt if the cache's pages were ever replaced."""
+        if not cache.kernels.decode_step:
+            return None
+        step = self._steps.get(cache)
+        if step is not None and step.pages_match([cache.layer(i) for i in range(len(self.layers))]):
+            return step
+        cfg = self.config
+        parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
+                 for i, ly in enumerate(self.layers)]
+        dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        if not DecodeStep.supports(parts, self.dtype, self.device, *dims):
+            raise ValueError("the kernel plan runs the native decode step, but this model's weights or this "
+                             "cache's pages are not laid out as it reads them")
+        step = self._steps[cache] = DecodeStep(parts, *dims, cfg.rms_norm_eps)
         return step
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
@@ -196,11 +211,12 @@ class Model:
         only those rows of it (K/V are still written at every position)."""
         cfg = self.config
         t = x.shape[0]
-        h = self.kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        plan = cache.kernels
+        h = plan.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv)
         kv = cache.layer(i)
-        q, k, v = self.kernels.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv, batch.slot_mapping)
-        o = self.kernels.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v)  # [T, Hq, D]
+        q, k, v = plan.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv, batch.slot_mapping)
+        o = plan.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v)  # [T, Hq, D]
         o = o.reshape(t, cfg.num_heads * cfg.head_dim)
         if keep is not None:
             o, x = o.index_select(0, keep), x.index_select(0, keep)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from evalrun.kernels.fused import apply_rope  # noqa: F401  (the model's rope op lives beside its native version)
+from evalrun.kernels.ref.fused import apply_rope  # noqa: F401  (the model's rope op lives beside its native version)
 
 from .config import RopeConfig
 

@@ -1,232 +1,285 @@
-"""Kernel backends: one is chosen when a model loads, and every cache op of that model goes
-through it with one signature, whatever the cache's KVFormat.
+"""Kernel backends and the kernel plan: which kernel runs each op, decided once.
 
-    write_kv(k, v, layer, slot_mapping)          new tokens into their slots (quantize on write)
-    copy_page_prefix(layers, src, dst, n)        first n slots of a page, codes and scales together
-    attention(q, layer, meta, scale) -> out      prefill and decode of a packed batch
+A backend is chosen per (device, deterministic) when a model loads (`choose_kernels`). For each
+cache format the model serves, the backend resolves a `KernelPlan` once from a `PlanKey` (the
+model's head shapes, the cache format and page size, the model dtype and device): one callable
+per op, each kernel's preconditions checked then against the shapes and layouts (the cache's
+tensors are laid out by LayerKV.allocate, contiguous, in the format's shapes). Per-call code calls
+the plan's ops with no check and no fallback; `KernelPlan.names` is what the run manifest records.
 
-`TorchKernels` is the reference (CPU and CUDA). `NativeCpuKernels` runs the decode group
-through the C kernel (evalrun/kernels/csrc/paged_decode.c) for every format it reads, the prefill
-sequences of formats without a recent-token window through evalrun/kernels/csrc/paged_prefill.c, quantize on
-write and the Hadamard rotations through evalrun/kernels/csrc/kv_quant.c, the rest through the
-reference. `TritonKernels` (CUDA, when triton imports) runs decode attention for every
-format, prefill attention for formats without a recent-token window and K/V writes of every
-format (quantize on write included) and RMSNorm through kernels/triton_*.py, the rest through the
-reference; a call its
-kernels cannot take (CPU tensors, an unexpected layout) goes to the reference too.
-`FlashAttnKernels` (CUDA, when flash_attn also imports, outside deterministic mode) sends the
-attention of unquantized 16-bit caches whose page size is a multiple of 256 (flash-attn's paged-KV
-requirement) to `flash_attn_varlen_func` with the page table as its `block_table`, one call for the
-whole packed batch; everything else stays with the Triton kernels. flash-attn chooses its split of
-long contexts by the batch's size, so deterministic mode keeps the Triton kernels (fixed splits).
-Untested on a GPU: no machine here has flash-attn; its tests run against a stand-in module.
+    kv_write(k, v, layer, slot_mapping)                      new tokens into their slots
+    copy_page_prefix(layers, src, dst, n)                    first n slots of a page
+    attention(q, layer, meta, scale, k, v) -> [T, Hq, D]     prefill and decode of a packed batch
+    rope_write_kv(qkv, cos, sin, hq, hkv, layer, slots)      -> q, k, v (k, v None where unused)
+    rms_norm(x, w, eps) / head_norm(h, w, eps)               layer rows (model dtype) / the head's float32 rows
+    gate_up_silu(h, gate_up) -> [T, I]                       silu(gate) * up of the fused projection
+
+Backends: `TorchKernels` (the references, CPU and CUDA); `NativeCpuKernels` (kernels/cpu: the C
+kernels where the plan's key fits them); `TritonKernels` (kernels/cuda, CUDA or Triton's
+interpreter); `FlashAttnKernels` (flash-attn's paged attention for unquantized 16-bit caches whose
+page size is a multiple of 256, else the Triton attention; not in deterministic mode, since
+flash-attn splits long contexts by the batch's size). Untested on a GPU: no machine here has
+flash-attn; its tests run against a stand-in module.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import logging
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 
-from . import fused, gemm, kv_quant_native, paged_decode, paged_prefill
-from .attention import AttentionMetadata, attend
-from .cache_ops import copy_page_prefix_torch, write_kv_torch
+from .attention import AttentionMetadata
+from .cpu import decode_step, fused as native_fused, gemm, kv_quant as native_quant, paged_decode, paged_prefill
+from .cuda import triton_attention, triton_cache_ops, triton_linear
 from .kv_format import KVFormat, LayerKV
-from .linear import Linear, linear
-from .kv_quant import rotate
+from .linear import Linear, linear, linear_backend
+from .ref.attention import attend
+from .ref.cache_ops import copy_page_prefix_torch, write_kv_torch
+from .ref.fused import rms_norm_reference, rope_write_reference, silu_mul_reference
+from .ref.kv_quant import rotate
 
 log = logging.getLogger(__name__)
+
+WriteFn = Callable[[torch.Tensor, torch.Tensor, LayerKV, torch.Tensor], None]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a plan is resolved for: the model's shapes, the cache's format, dtype and device."""
+    device: str                  # "cpu" | "cuda"
+    dtype: torch.dtype           # the model's (activations, layer norms)
+    fmt: KVFormat
+    page_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int = 0   # 0: unknown (no fused gate/up epilogue)
+    deterministic: bool = False
+
+    @classmethod
+    def for_layer(cls, q: torch.Tensor, layer: LayerKV, deterministic: bool = False) -> "PlanKey":
+        """The key of a query [T, Hq, D] against one layer's cache (tests and benchmarks of one op)."""
+        return cls(q.device.type, q.dtype, layer.fmt, layer.page_size, q.shape[1], layer.num_kv_heads,
+                   layer.head_dim, 0, deterministic)
+
+    @property
+    def linear(self) -> str:
+        return linear_backend(self.device, self.dtype, self.deterministic)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One callable per op (the module docstring), and what they are (`names`, for the manifest)."""
+    backend: str
+    kv_write: WriteFn
+    copy_page_prefix: Callable[[list[LayerKV], int, int, int], None]
+    attention: Callable[..., torch.Tensor]
+    rope_write_kv: Callable[..., tuple[Any, ...]]
+    rms_norm: NormFn
+    head_norm: NormFn
+    gate_up_silu: Callable[[torch.Tensor, Linear], torch.Tensor]
+    decode_step: bool            # the native all-layer decode step (kernels/cpu/decode_step.py) runs decode batches
+    cuda_graphs: bool            # decode steps may be captured as CUDA graphs (no host sync in any op)
+    names: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, str]:
+        """What runs each op (recorded in run manifests)."""
+        return dict(self.names)
+
+
+# --- op builders: each returns the op's callable, made once per plan ---------------------------
+def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate,
+               prefill: Optional[Callable] = None) -> Callable[..., torch.Tensor]:
+    def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return attend(q, layer, meta, scale, decode, rotation, k, v, prefill)
+    return attention
+
+
+def _rope_write(write: WriteFn) -> Callable[..., tuple[Any, ...]]:
+    def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, layer: LayerKV,
+                      slot_mapping: torch.Tensor) -> tuple[Any, ...]:
+        return rope_write_reference(qkv, cos, sin, hq, hkv, lambda k, v: write(k, v, layer, slot_mapping))
+    return rope_write_kv
+
+
+def _rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, layer: LayerKV,
+                       slot_mapping: torch.Tensor) -> tuple[Any, ...]:
+    q = native_fused.rope_write_native(qkv, cos, sin, hq, hkv, layer.k, layer.v, slot_mapping)
+    return q, None, None                 # a float cache: attention reads k, v from the pages
+
+
+def _gate_up_silu(silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
+    def gate_up_silu(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+        return silu_mul(linear(h, gate_up))
+    return gate_up_silu
+
+
+def _gate_up_silu_gemm(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+    """The SiLU in the native GEMM's epilogue (kernels/cpu/gemm.py gemm_silu: the same bits as the
+    GEMM then silu_mul, without the [T, 2I] product); one or two rows take those two calls."""
+    out = gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
+    return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
+
+
+def _heads_fit(key: PlanKey) -> bool:
+    return key.num_kv_heads >= 1 and key.num_heads % key.num_kv_heads == 0
 
 
 class TorchKernels:
     name = "torch"
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
-        write_kv_torch(k, v, layer, slot_mapping)
+    def plan(self, key: PlanKey) -> KernelPlan:
+        """The plan of this backend for `key`, resolved once per key (backends are immutable)."""
+        return _cached_plan(self, key)
 
-    def copy_page_prefix(self, layers: list[LayerKV], src_page: int, dst_page: int, num_tokens: int) -> None:
-        copy_page_prefix_torch(layers, src_page, dst_page, num_tokens)
+    def _resolve(self, key: PlanKey) -> KernelPlan:
+        return KernelPlan(self.name, write_kv_torch, copy_page_prefix_torch, _attention(), _rope_write(write_kv_torch),
+                          rms_norm_reference, rms_norm_reference, _gate_up_silu(silu_mul_reference), False, False,
+                          {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
+                           "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
+                           "decode_step": "off", "cuda_graphs": "off"})
+
+    # one op on one layer, through the plan of its key (tests and benchmarks; the engine calls its plan)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+        self.plan(PlanKey(k.device.type, k.dtype, layer.fmt, layer.page_size, k.shape[1], layer.num_kv_heads,
+                          layer.head_dim)).kv_write(k, v, layer, slot_mapping)
 
     def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """k, v: the forward's new K/V (needed by formats with a recent-token window)."""
-        return attend(q, layer, meta, scale, k=k, v=v)
+        return self.plan(PlanKey.for_layer(q, layer)).attention(q, layer, meta, scale, k, v)
 
-    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
-                      layer: LayerKV, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rope on the fused QKV rows' q and k heads, k and v written into the cache; returns
-        q [T, hq, D] and this forward's k, v (None where no op of the format needs them)."""
-        return fused.rope_write_reference(qkv, cos, sin, hq, hkv,
-                                          lambda k, v: self.write_kv(k, v, layer, slot_mapping))
+    def describe(self, fmt: KVFormat, dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict[str, str]:
+        """The plan's names for a nominal model (8 heads of 64 over 8 KV heads) over `fmt`."""
+        return self.plan(PlanKey(device, dtype, fmt, 256, 8, 8, 64)).describe()
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return fused.rms_norm_reference(x, w, eps)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused [gate | up] projection output."""
-        return fused.silu_mul_reference(gate_up)
-
-    def gate_up_silu(self, h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-        """silu(gate) * up of the fused [gate | up] projection of h."""
-        return self.silu_mul(linear(h, gate_up))
-
-    def describe(self, fmt: KVFormat) -> dict[str, str]:
-        """Which implementation runs each op for a cache in `fmt` (recorded in run manifests)."""
-        return {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
-                "norm_act": "torch"}
+@functools.lru_cache(maxsize=256)
+def _cached_plan(backend: TorchKernels, key: PlanKey) -> KernelPlan:
+    return backend._resolve(key)
 
 
 class NativeCpuKernels(TorchKernels):
     name = "native-cpu"
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
-        kv_quant_native.write_kv_native(k, v, layer, slot_mapping)
-
-    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        native = meta.num_decode and self._supported(paged_decode, q, layer)
-        prefill = meta.prefill and self._supported(paged_prefill, q, layer)
-        return attend(q, layer, meta, scale, paged_decode.decode_native if native else None,
-                      kv_quant_native.rotate_native, k, v, paged_prefill.prefill_native if prefill else None)
-
-    @staticmethod
-    def _supported(kernel, q: torch.Tensor, layer: LayerKV) -> bool:
-        """kernel.supported (paged_decode or paged_prefill), remembered per layer and query layout:
-        a layer's tensors keep their shapes, dtypes and device for its life, and the check costs
-        ~50 us per layer and step."""
-        key = (kernel.__name__, tuple(q.shape[1:]), q.dtype, q.device.type, q.dim())
-        memo = layer.__dict__.setdefault("_native_attention_ok", {})
-        if key not in memo:
-            memo[key] = kernel.supported(q, layer)
-        return memo[key]
-
-    def __init__(self) -> None:
-        self._fused = fused.available()           # decided once, when the model loads (not per call)
-
-    @property
-    def fused_available(self) -> bool:
-        return self._fused
-
-    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
-                      layer: LayerKV, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self._fused and not layer.fmt.quantized and fused.rope_write_supported(qkv, cos, layer.k):
-            q = fused.rope_write_native(qkv, cos, sin, hq, hkv, layer.k, layer.v, slot_mapping)
-            return q, None, None                          # float caches: attention reads k, v from the pages
-        return super().rope_write_kv(qkv, cos, sin, hq, hkv, layer, slot_mapping)
-
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._fused and fused.supported(x) and w.dtype == torch.float32:
-            return fused.rms_norm_native(x, w, eps)
-        return fused.rms_norm_reference(x, w, eps)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._fused and fused.supported(gate_up):
-            return fused.silu_mul_native(gate_up)
-        return fused.silu_mul_reference(gate_up)
-
-    def gate_up_silu(self, h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-        """On the native GEMM's panels (float32, no bias), the SiLU runs in the GEMM's epilogue
-        (evalrun/kernels/gemm.py gemm_silu: the same bits as the two calls, without the [T, 2I] product)."""
-        if (self._fused and gate_up.panels is not None and gate_up.bias is None
-                and h.dtype == torch.float32 and h.device.type == "cpu"):
-            out = gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
-            if out is not None:
-                return out
-        return super().gate_up_silu(h, gate_up)
-
-    def describe(self, fmt: KVFormat) -> dict[str, str]:
-        out = super().describe(fmt)
-        if self._fused:
-            out["norm_act"] = "native-c (float32 rows)"
-        if fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS:
-            out["decode_attention"] = "native-c"
-            if not fmt.window and paged_prefill.available():
-                out["prefill_attention"] = f"native-c (head sizes a multiple of {paged_prefill.LANES}, else torch-sdpa)"
-        if fmt.quantized and kv_quant_native.quantize_available():
-            out["kv_write"] = "native-c"
-        return out
+    def _resolve(self, key: PlanKey) -> KernelPlan:
+        ref = super()._resolve(key)
+        fmt, f32 = key.fmt, key.dtype == torch.float32
+        if key.device != "cpu":
+            raise ValueError(f"the native CPU kernels run on the CPU, not {key.device}")
+        names = dict(ref.names)
+        kinds_ok = fmt.quantized or fmt.dtype in paged_decode._FLOAT_KINDS
+        decode = paged_decode.decode_native if kinds_ok and _heads_fit(key) and paged_decode.available() else None
+        prefill = None
+        if decode is not None and not fmt.window and key.head_dim % paged_prefill.LANES == 0 and paged_prefill.available():
+            prefill = paged_prefill.prefill_native
+        rotation = native_quant.rotate_native if native_quant.available() else rotate
+        names["decode_attention"] = "native-c" if decode else "torch"
+        names["prefill_attention"] = "native-c" if prefill else "torch-sdpa"
+        write = write_kv_torch
+        if fmt.quantized and native_quant.quantize_available():
+            write, names["kv_write"] = native_quant.write_kv_native, "native-c"
+        fused_ok = native_fused.available()
+        rope = _rope_write(write)
+        if fused_ok and f32 and not fmt.quantized and fmt.dtype == torch.float32:
+            rope, names["rope_write"] = _rope_write_native, "native-c"
+        norm = native_fused.rms_norm_native if fused_ok and f32 else rms_norm_reference
+        head = native_fused.rms_norm_native if fused_ok else rms_norm_reference
+        silu = native_fused.silu_mul_native if fused_ok and f32 else silu_mul_reference
+        gate_up, names["gate_up_silu"] = _gate_up_silu(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
+        if fused_ok and f32 and key.linear == "native-gemm" and gemm.silu_fusable(key.intermediate_size):
+            gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
+        names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
+        names["head_norm"] = "native-c" if fused_ok else "torch"
+        step = (fused_ok and f32 and key.linear == "native-gemm" and not fmt.quantized and fmt.dtype == torch.float32
+                and decode_step.available())
+        names["decode_step"] = "native-c" if step else "off"
+        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill), rope,
+                          norm, head, gate_up, step, False, names)
 
 
 class TritonKernels(TorchKernels):
     name = "triton"
 
-    def __init__(self) -> None:
-        from . import triton_attention, triton_cache_ops, triton_linear    # imports triton (slow): only when chosen
-        self._attn, self._write, self._norm = triton_attention, triton_cache_ops, triton_linear
+    def _resolve(self, key: PlanKey) -> KernelPlan:
+        ref = super()._resolve(key)
+        fmt = key.fmt
+        if key.device != "cuda" and not triton_attention.interpreting():
+            raise ValueError(f"the Triton kernels run on CUDA (or under TRITON_INTERPRET=1), not {key.device}")
+        names = dict(ref.names)
+        write: WriteFn = write_kv_torch
+        if not fmt.quantized:
+            write, names["kv_write"] = triton_cache_ops.write_kv_triton, "triton"
+        elif key.head_dim % fmt.group_size == 0 and key.head_dim & (key.head_dim - 1) == 0:
+            write, names["kv_write"] = triton_cache_ops.write_kv_quant_triton, "triton"
+        attention = ref.attention
+        if key.dtype in triton_attention._FLOATS and _heads_fit(key):
+            if fmt.window:           # the window's prefill stays with the reference (SDPA)
+                attention = _attention(triton_attention.decode_triton)
+                names["decode_attention"], names["prefill_attention"] = "triton", "torch-sdpa"
+            else:
+                attention = _triton_attention
+                names["decode_attention"] = names["prefill_attention"] = "triton"
+        names["norm_act"], names["head_norm"] = "triton rms_norm, torch silu", "triton"
+        graphs = write is not write_kv_torch and names["decode_attention"] == "triton" and not fmt.window
+        names["cuda_graphs"] = "on" if graphs else "off"
+        return KernelPlan(self.name, write, copy_page_prefix_torch, attention, _rope_write(write),
+                          triton_linear.rms_norm_triton, triton_linear.rms_norm_triton, ref.gate_up_silu, False,
+                          graphs, names)
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """One program per row (evalrun/kernels/triton_linear.py): the same bits whatever the batch."""
-        if self._norm.rms_norm_supported(x, w):
-            return self._norm.rms_norm_triton(x, w, eps)
-        return fused.rms_norm_reference(x, w, eps)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
-        if self._write.supported(k, v, layer):
-            self._write.write_kv_triton(k, v, layer, slot_mapping)
-        elif self._write.quant_supported(k, v, layer):
-            self._write.write_kv_quant_triton(k, v, layer, slot_mapping)
-        else:
-            write_kv_torch(k, v, layer, slot_mapping)
-
-    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        fmt = layer.fmt
-        if not self._attn.supported(q, layer):
-            return attend(q, layer, meta, scale, k=k, v=v)
-        if fmt.window:                  # the window's prefill stays with the reference (SDPA)
-            return attend(q, layer, meta, scale, self._attn.decode_triton, k=k, v=v)
-        qr = rotate(q, fmt.group_size).to(q.dtype) if fmt.rotate else q
-        out = self._attn.paged_attention_triton(qr, layer, meta, scale)
-        return rotate(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
-
-    def describe(self, fmt: KVFormat) -> dict[str, str]:
-        return {"kv_write": "triton", "decode_attention": "triton",
-                "prefill_attention": "torch-sdpa" if fmt.window else "triton",
-                "norm_act": "triton rms_norm, torch silu"}
+def _triton_attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                      k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+    fmt = layer.fmt
+    qr = rotate(q, fmt.group_size).to(q.dtype) if fmt.rotate else q
+    out = triton_attention.paged_attention_triton(qr, layer, meta, scale)
+    return rotate(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
 
 
 class FlashAttnKernels(TritonKernels):
     name = "flash-attn"
     PAGE_MULTIPLE = 256
 
-    def __init__(self, flash_attn=None, require_cuda: bool = True) -> None:
+    def __init__(self, flash_attn: Any = None, require_cuda: bool = True) -> None:
         """flash_attn: the module (default: imported); require_cuda=False lets tests run a stand-in on CPU."""
-        super().__init__()
         if flash_attn is None:
             import flash_attn
-            import inspect
             if "block_table" not in inspect.signature(flash_attn.flash_attn_varlen_func).parameters:
                 raise ImportError(f"flash_attn {getattr(flash_attn, '__version__', '?')} takes no block_table "
                                   "(paged KV needs flash-attn 2.5 or later)")
         self._flash, self._require_cuda = flash_attn, require_cuda
 
-    def usable(self, q: torch.Tensor, layer: LayerKV) -> bool:
-        """An unquantized fp16/bf16 cache of q's dtype, pages a multiple of 256 slots, head size a
-        multiple of 8 up to 256, contiguous pages on q's (CUDA) device."""
-        fmt, k = layer.fmt, layer.k
-        return (not fmt.quantized and k.dtype == q.dtype and q.dtype in (torch.float16, torch.bfloat16)
-                and k.dim() == 4 and k.shape[1] % self.PAGE_MULTIPLE == 0 and q.dim() == 3
-                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and q.shape[1] % k.shape[2] == 0
-                and k.is_contiguous() and layer.v.is_contiguous() and k.device == q.device
-                and (q.is_cuda or not self._require_cuda))
+    def usable(self, key: PlanKey) -> bool:
+        """An unquantized fp16/bf16 cache of the model's dtype, pages a multiple of 256 slots, head
+        size a multiple of 8 up to 256, GQA-compatible heads, on CUDA."""
+        fmt = key.fmt
+        return (not fmt.quantized and fmt.dtype == key.dtype and key.dtype in (torch.float16, torch.bfloat16)
+                and key.page_size % self.PAGE_MULTIPLE == 0 and key.head_dim % 8 == 0 and key.head_dim <= 256
+                and _heads_fit(key) and (key.device == "cuda" or not self._require_cuda))
 
-    def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.usable(q, layer):
-            return super().attention(q, layer, meta, scale, k, v)
-        # causal with fewer queries than keys aligns the queries to the end of their context (query i
-        # of a sequence with q_len queries and L keys sits at position L - q_len + i), as the pages hold
-        return self._flash.flash_attn_varlen_func(
-            q, layer.k, layer.v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            softmax_scale=scale, causal=True, block_table=meta.page_table)
+    def _resolve(self, key: PlanKey) -> KernelPlan:
+        plan = super()._resolve(key)
+        names = {**plan.names, "cuda_graphs": "off"}      # flash-attn reads the lengths on the host
+        if not self.usable(key):
+            return KernelPlan(**{**plan.__dict__, "backend": self.name, "cuda_graphs": False, "names": names})
+        names["decode_attention"] = names["prefill_attention"] = "flash-attn"
+        flash = self._flash
 
-    def describe(self, fmt: KVFormat) -> dict[str, str]:
-        out = super().describe(fmt)
-        if not fmt.quantized and fmt.dtype in (torch.float16, torch.bfloat16):
-            out["decode_attention"] = out["prefill_attention"] = \
-                f"flash-attn (pages a multiple of {self.PAGE_MULTIPLE}, else triton)"
-        return out
+        def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                      k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+            # causal with fewer queries than keys aligns the queries to the end of their context (query i
+            # of a sequence with q_len queries and L keys sits at position L - q_len + i), as the pages hold
+            return flash.flash_attn_varlen_func(
+                q, layer.k, layer.v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                softmax_scale=scale, causal=True, block_table=meta.page_table)
+
+        return KernelPlan(**{**plan.__dict__, "backend": self.name, "attention": attention, "cuda_graphs": False,
+                             "names": names})
 
 
 def flash_attn_available() -> bool:
@@ -245,13 +298,10 @@ def choose_kernels(device: "str | torch.device", deterministic: bool = False) ->
     if kind == "cpu" and paged_decode.available():
         return NativeCpuKernels()
     if kind == "cuda" and triton_available():
-        try:
-            if flash_attn_available() and not deterministic:
-                try:
-                    return FlashAttnKernels()
-                except ImportError as e:
-                    log.warning("flash_attn did not import (%s): CUDA attention runs the Triton kernels", e)
-            return TritonKernels()
-        except ImportError as e:         # a broken triton install: the reference still gives the answers
-            log.warning("triton did not import (%s): CUDA cache ops run the torch reference", e)
+        if flash_attn_available() and not deterministic:
+            try:
+                return FlashAttnKernels()
+            except ImportError as e:
+                log.warning("flash_attn did not import (%s): CUDA attention runs the Triton kernels", e)
+        return TritonKernels()
     return TorchKernels()

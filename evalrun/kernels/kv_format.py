@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from evalrun.kernels import huge_pages
+from .cpu import huge_pages
 
 DEFAULT_WINDOW = 128    # see benchmarks/bench_cache_modes.py for what it buys
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,21 +1,15 @@
-"""Linear layers: y = x @ w^T (+ b).
+"""Which kernel each linear runs, chosen once when its weight is packed (at load).
 
-Layouts:
-    x       [T, in]    model dtype, row-major
-    weight  [out, in]  the checkpoint's layout (the reference reads it)
-    panels  the native GEMM's layout of `weight` (evalrun/kernels/gemm.py), made once at load
-    packed  oneDNN's blocked layout of `weight`, made once at load (when panels cannot be used)
-    y       [T, out]   x's dtype
-
-`linear_reference` is F.linear. CPU float32 paths, chosen once per weight by `linear_backend`:
-  native-gemm       evalrun/kernels/csrc/gemm.c (AVX2 + FMA): on the 2-core AVX2 development machine
+`make_linear` packs a weight for one kernel and stores that kernel on the `Linear`
+(kernels/ref/linear.py); `linear(x, lin)` calls it, with no check per call. CPU float32 kernels,
+in order of preference (`linear_backend`):
+  native-gemm       kernels/cpu/csrc/gemm.c (AVX2 + FMA): on the 2-core AVX2 development machine
                     1.1-1.3x oneDNN's speed at 8-256 rows and 1.4-2x at one row, and as fast
                     at 2048 (benchmarks/bench_linear.py); bitwise batch-invariant at every M
   onednn-prepacked  oneDNN's matmul on the prepacked weight (`torch.ops.mkldnn._linear_pointwise`)
-  torch             without either, F.linear, or (w @ x^T)^T for few rows (~1.7x faster than
-                    x @ w^T in MKL below 64 rows)
-`EVALRUN_LINEAR=native|onednn|torch` asks for one (benchmarks compare them); a path that cannot
-run here falls back to the next with a logged reason.
+  torch             without either, F.linear, or (w @ x^T)^T for few rows
+`EVALRUN_LINEAR=native|onednn|torch` asks for one (benchmarks compare them); a kernel that cannot
+run here is replaced by the next when the weight is packed, with a logged reason.
 
 Batch-invariant linears (`make_linear(..., invariant=True)`, the engine's deterministic mode): the
 native GEMM for every CPU dtype, whatever EVALRUN_LINEAR says. A bfloat16/float16 weight is
@@ -24,41 +18,26 @@ chain over k in order (a product of two bf16 values is exact in float32, so this
 with float32 accumulation, as tensor cores do), and the result is rounded to the rows' dtype
 once. No output depends on the other rows of the call, unlike oneDNN's or MKL's bf16 matmuls,
 whose blocking changes with the number of rows. On CUDA the same contract is met by
-evalrun/kernels/triton_linear.py (one fixed Triton tile shape, float32 accumulation) instead of cuBLAS.
+kernels/cuda/triton_linear.py (one fixed Triton tile shape, float32 accumulation) instead of cuBLAS.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from . import gemm, native
+from .cpu import gemm, native
+from .cpu.linear import linear_gemm, linear_gemm_widening, linear_onednn, onednn_available, onednn_pack
+from .cuda.triton_linear import linear_invariant_triton
+from .ref.linear import Linear, LinearFn, linear_reference, linear_torch
 
 log = logging.getLogger(__name__)
 
-SMALL_M = 64
-
-
-@dataclass
-class Linear:
-    weight: torch.Tensor                    # [out, in]
-    bias: Optional[torch.Tensor] = None     # [out]
-    packed: Optional[torch.Tensor] = None   # oneDNN layout of weight (CPU float32), or None
-    panels: Optional[torch.Tensor] = None   # the native GEMM's layout of weight (CPU float32), or None
-    invariant: bool = False                 # batch-invariant (deterministic mode): panels on CPU, Triton on CUDA
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
+__all__ = ["BACKENDS", "Linear", "invariant_unavailable_reason", "linear", "linear_backend", "linear_reference",
+           "make_linear", "onednn_available"]
 
 BACKENDS = ("native", "onednn", "torch")
 _logged: set[str] = set()
@@ -102,7 +81,6 @@ def invariant_unavailable_reason(device: str | torch.device) -> Optional[str]:
     """Why batch-invariant linears cannot run on `device`, or None when they can."""
     kind = torch.device(device).type
     if kind == "cuda":
-        import importlib.util
         return None if importlib.util.find_spec("triton") else "batch-invariant CUDA linears need triton"
     if kind != "cpu":
         return f"batch-invariant linears are built for the CPU and CUDA, not {kind}"
@@ -112,54 +90,26 @@ def invariant_unavailable_reason(device: str | torch.device) -> Optional[str]:
 
 def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True,
                 invariant: bool = False) -> Linear:
-    """A Linear; on CPU in float32 (and `pack`), with the weight prepacked for the backend.
-    invariant: the native GEMM's float32 panels for any dtype (ValueError where it cannot run)."""
-    packed = panels = None
+    """A Linear packed for its kernel; on CPU in float32 (and `pack`) the native GEMM's or oneDNN's
+    layout. invariant: the native GEMM's float32 panels for any dtype, or the Triton linear on CUDA
+    (ValueError where neither can run)."""
     if invariant:
         reason = invariant_unavailable_reason(weight.device)
         if reason is not None:
             raise ValueError(reason)
         if weight.device.type == "cuda":
-            return Linear(weight.contiguous(), bias, invariant=True)
-        return Linear(weight, bias, None, gemm.pack(weight.float()), invariant=True)
+            return Linear(weight.contiguous(), bias, invariant=True, kernel=linear_invariant_triton,
+                          kernel_name="triton-linear")
+        return Linear(weight, bias, None, gemm.pack(weight.float()), invariant=True, kernel=linear_gemm_widening,
+                      kernel_name="native-gemm")
     backend = linear_backend(weight.device, weight.dtype) if pack else "torch"
     if backend == "native-gemm":
-        panels = gemm.pack(weight)
-    elif backend == "onednn-prepacked":
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return Linear(weight, bias, packed, panels)
-
-
-def linear_reference(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    y = F.linear(x, lin.weight, lin.bias)
-    return y if residual is None else residual + y
+        return Linear(weight, bias, panels=gemm.pack(weight), kernel=linear_gemm, kernel_name=backend)
+    if backend == "onednn-prepacked":
+        return Linear(weight, bias, packed=onednn_pack(weight), kernel=linear_onednn, kernel_name=backend)
+    return Linear(weight, bias)
 
 
 def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ w^T (+ b) (+ residual). Dispatch: the native GEMM on its panels (bias and residual
-    added as each output is stored), oneDNN on a packed weight (the residual add fused as a
-    post-op), else (w @ x^T)^T for few CPU rows, else F.linear; a batch-invariant Linear on CUDA
-    through evalrun/kernels/triton_linear.py."""
-    if lin.invariant and x.device.type == "cuda":
-        from . import triton_linear                   # imports triton: only on this path
-        y = triton_linear.linear_triton(x.reshape(-1, x.shape[-1]).contiguous(), lin.weight, lin.bias)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if residual is None else residual + y
-    if lin.panels is not None and x.device.type == "cpu":
-        if x.dtype != torch.float32:            # invariant low-precision linear: float32 chains, one rounding
-            y = gemm.gemm(x.float(), lin.panels, lin.weight.shape[0], lin.bias).to(x.dtype)
-            return y if residual is None else residual + y
-        if residual is not None and residual.dtype != torch.float32:
-            return residual + gemm.gemm(x, lin.panels, lin.weight.shape[0], lin.bias)
-        return gemm.gemm(x, lin.panels, lin.weight.shape[0], lin.bias, residual)
-    if lin.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-        if residual is not None and residual.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(),
-                                                             lin.packed, lin.bias, "add")
-        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), lin.packed, lin.bias, "none", [], "")
-    elif x.device.type != "cpu" or x.shape[0] > SMALL_M:
-        y = F.linear(x, lin.weight, lin.bias)
-    else:
-        y = torch.mm(lin.weight, x.t()).t()
-        y = (y if lin.bias is None else y + lin.bias).contiguous()
-    return y if residual is None else residual + y
+    """x @ w^T (+ b) (+ residual) through the kernel `lin` was packed for."""
+    return lin.kernel(x, lin, residual)

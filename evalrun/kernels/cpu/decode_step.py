@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 import torch
 
 from . import fused, native, paged_decode
-from .attention import AttentionMetadata
-from .kv_format import LayerKV
-from .linear import Linear
+from ..attention import AttentionMetadata
+from ..kv_format import LayerKV
+from ..ref.linear import Linear
 
 
 class _Layer(ctypes.Structure):
@@ -65,6 +65,11 @@ def profile(start: bool) -> dict[str, float]:
     out = (ctypes.c_double * len(STAGES))()
     lib.decode_step_profile(1 if start else 0, out)
     return dict(zip(STAGES, out))
+
+
+def available() -> bool:
+    """The decode step is on (EVALRUN_DECODE_STEP) and its library built for this CPU."""
+    return enabled() and _lib() is not None
 
 
 def enabled() -> bool:

@@ -4,7 +4,7 @@ projection's output.
     x        [T, H]    float32 rows           rms_norm(x, w, eps) -> [T, H]
     gate_up  [T, 2I]   [gate | up] per row    silu_mul(gate_up)   -> [T, I]
 
-`rms_norm_reference` / `silu_mul_reference` are the torch ops the model used before; the native
+`rms_norm_reference` / `silu_mul_reference` (kernels/ref/fused.py) are the torch references; the native
 versions (evalrun/kernels/csrc/fused_ops.c) make one pass over each row instead of several torch ops
 (~130 us of torch dispatch per RMSNorm of 32 x 576 on the 2-core development machine). Each
 row is computed alone in a fixed order, so a row's result is bitwise the same whatever else
@@ -14,55 +14,14 @@ would break that).
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from ..ref.fused import argmax_reference, finite_rows_reference
 from . import native
 
 PARALLEL_ELEMENTS = 1 << 16          # below this a second thread costs more than it saves
-
-
-def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (may be a strided view); cos/sin [T, D] already gathered at the tokens'
-    positions. Returns a new [T, H, D] tensor: x * cos + rotate_half(x) * sin, computed as
-    one multiply and two multiply-adds on the halves (no concatenated copy of x)."""
-    half = x.shape[-1] // 2
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1.0)
-    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-    return out
-
-
-def rope_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
-                         write: Callable[[torch.Tensor, torch.Tensor], None]) -> tuple[torch.Tensor, ...]:
-    """Rope on the q and k heads of the fused QKV rows [T, (hq + 2 hkv) D], then write(k, v);
-    returns q, k, v ([T, H, D] views)."""
-    t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
-    qk = apply_rope(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
-    q, k = qk[:, :hq], qk[:, hq:]
-    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-    write(k, v)
-    return q, k, v
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
-
-
-def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
-    return torch.argmax(logits, dim=-1)
-
-
-def finite_rows_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(x).all(dim=-1)
 
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

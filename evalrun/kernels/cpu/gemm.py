@@ -54,6 +54,14 @@ def available() -> bool:
     return _lib() is not None
 
 
+def silu_fusable(i: int) -> bool:
+    """Whether `gemm_silu` runs for an intermediate size of i (3 rows and more): the AVX2 tiles in use
+    and i a multiple of their panel width (a later set_width(512) makes gemm_silu
+    return None: the plan's op then takes the GEMM and the SiLU apart, the same bits)."""
+    lib = _lib()
+    return lib is not None and i > 0 and bool(lib.gemm_silu_supported(3, i))
+
+
 def width(lib: Optional[ctypes.CDLL] = None) -> int:
     """The register width of the tiles in use: 512 (AVX-512, chosen where the CPU has it) or 256
     (AVX2); `EVALRUN_GEMM_WIDTH=256` keeps an AVX-512 CPU on the AVX2 tiles. 0 when unavailable.

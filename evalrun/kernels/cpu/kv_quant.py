@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from . import native
-from .cache_ops import write_kv_torch
-from .kv_format import LayerKV
-from .kv_quant import rotate
+from ..ref.cache_ops import write_kv_torch
+from ..kv_format import LayerKV
+from ..ref.kv_quant import rotate
 
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from evalrun.kernels.cpu import cpu_flags_line
+from .host import cpu_flags_line
 
 log = logging.getLogger(__name__)
 

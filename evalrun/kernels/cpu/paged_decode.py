@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from . import native
-from .attention import AttentionMetadata, check_pages
-from .kv_format import LayerKV
+from ..attention import AttentionMetadata, check_pages, check_window
+from ..kv_format import LayerKV
 
 # storage kinds of paged_decode.c
 _FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -96,21 +96,6 @@ def decode_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scal
     nd = meta.num_decode
     window = None if not layer.fmt.window else (meta.window_slots[:nd], meta.window_starts[:nd])
     return _call(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale, window)
-
-
-def check_window(layer: LayerKV, seq_lens: torch.Tensor, window: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Window blocks within the store and every position read from it within a block."""
-    if not layer.fmt.window:
-        return
-    if window is None:
-        raise ValueError(f"cache mode {layer.fmt.name} reads a recent-token window: pass window_slots and starts")
-    slots, starts = window
-    if slots.shape != seq_lens.shape or starts.shape != seq_lens.shape:
-        raise ValueError("window slots and starts need one entry per sequence")
-    if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= layer.window_slots):
-        raise ValueError(f"window slots must lie in [0, {layer.window_slots})")
-    if len(starts) and (bool((starts < 0).any()) or bool((seq_lens.long() - starts.long() > layer.fmt.window).any())):
-        raise ValueError(f"window starts must be >= 0 and within {layer.fmt.window} of the sequence length")
 
 
 def paged_decode_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor,

@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 
 from . import native
-from .attention import AttentionMetadata, check_pages
-from .kv_format import LayerKV
+from ..attention import AttentionMetadata, check_pages
+from ..kv_format import LayerKV
 from .paged_decode import kinds, layout_supported
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

@@ -32,22 +32,24 @@ so there the 16-bit dot is emulated in float32 from the same rounded inputs.
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from .attention import AttentionMetadata, check_pages
-from .kv_format import LayerKV
-from .paged_decode import check_window
+from ..attention import AttentionMetadata, check_pages, check_window
+from ..kv_format import LayerKV
+from .jit import cdiv, jit_kernels, next_power_of_2
+
+if TYPE_CHECKING:              # the kernel bodies' names, bound by jit_kernels
+    import triton.language as tl
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreting() -> bool:
     """True when this module's kernels were built for Triton's interpreter."""
-    return not isinstance(_decode_kernel, triton.runtime.JITFunction)
+    return kernels().interpreting
 
 
 def supported(q: torch.Tensor, layer: LayerKV) -> bool:
@@ -78,7 +80,6 @@ def supported(q: torch.Tensor, layer: LayerKV) -> bool:
 
 
 # --- device helpers ------------------------------------------------------------------------
-@triton.jit
 def _load_rows(x_ptr, s_ptr, slot, head, col, mask,
                HKV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     """Rows [N, BLOCK_D] of one KV head at flat slots [N] (int64): float storage in its own
@@ -103,7 +104,6 @@ def _load_rows(x_ptr, s_ptr, slot, head, col, mask,
     return rows
 
 
-@triton.jit
 def cast(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
     """x.to(dtype). EMULATE (the interpreter): a cast to bfloat16 rounds to nearest even as on
     the GPU (Triton 3.6's interpreter truncates), NaN kept."""
@@ -114,7 +114,6 @@ def cast(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
 def _online_softmax(s, v, m_i, l_i, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
     """One block of base-2 scores s [M, N] and its values v [N, D] folded into the running
     max m_i, sum l_i and output acc (flash attention's online softmax)."""
@@ -124,7 +123,6 @@ def _online_softmax(s, v, m_i, l_i, acc, NATIVE: tl.constexpr, EMULATE: tl.const
     return m_new, l_i * alpha + tl.sum(p, 1), _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
 
 
-@triton.jit
 def _mma(a, b, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
     """acc + a @ b, float32 accumulation. NATIVE: a rounded to b's 16-bit dtype and multiplied
     on the tensor cores (EMULATE: the same rounded inputs multiplied in float32); else exact
@@ -138,7 +136,6 @@ def _mma(a, b, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
     return out
 
 
-@triton.jit
 def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, slot, pos, pmask, head, col, dmask,
              w_slot, w_start, HKV: tl.constexpr, D: tl.constexpr, K_BITS: tl.constexpr,
              V_BITS: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr):
@@ -161,7 +158,6 @@ def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, slot, pos, pmask, hea
 
 
 # --- decode ---------------------------------------------------------------------------------
-@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_ptr, wstart_ptr,
                    table_ptr, lens_ptr, acc_ptr, ml_ptr,
                    scale_log2, q_stride_t, q_stride_h, table_stride, split_len, num_splits,
@@ -206,7 +202,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=gmask)
 
 
-@triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lens_ptr, out_stride_t, out_stride_h, num_splits, split_len,
                     EMULATE: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr):
@@ -239,7 +234,6 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lens_ptr, out_stride_t, out_stride
 
 
 # --- prefill ---------------------------------------------------------------------------------
-@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, lens_ptr, cu_q_ptr,
                     scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride, first_seq,
                     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -290,7 +284,7 @@ def _format_args(q: torch.Tensor, layer: LayerKV) -> dict:
     native = not fmt.quantized and layer.k.dtype == q.dtype and q.dtype != torch.float32
     return dict(HKV=layer.num_kv_heads, GQA=q.shape[1] // layer.num_kv_heads, D=layer.head_dim,
                 PAGE=layer.page_size, K_BITS=fmt.k_bits or 0, V_BITS=fmt.v_bits or 0, GROUP=fmt.group_size,
-                NATIVE=native, EMULATE=interpreting(), BLOCK_D=max(16, triton.next_power_of_2(layer.head_dim)))
+                NATIVE=native, EMULATE=interpreting(), BLOCK_D=max(16, next_power_of_2(layer.head_dim)))
 
 
 def _scales(layer: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,11 +311,11 @@ def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens:
     ks, vs = _scales(layer)
     w_slots, w_starts = window if layer.fmt.window else (seq_lens, seq_lens)
     wk, wv = (layer.wk, layer.wv) if layer.fmt.window else (layer.k, layer.v)
-    _decode_kernel[(bd, layer.num_kv_heads, splits)](
+    kernels()._decode_kernel[(bd, layer.num_kv_heads, splits)](
         q, layer.k, layer.v, ks, vs, wk, wv, w_slots, w_starts, page_table, seq_lens, acc, ml,
         scale * LOG2E, q.stride(0), q.stride(1), page_table.stride(0), split_len, splits,
-        WINDOW=layer.fmt.window, BLOCK_G=max(16, triton.next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args)
-    _combine_kernel[(bd, hq)](acc, ml, out, seq_lens, out.stride(0), out.stride(1), splits, split_len, interpreting(),
+        WINDOW=layer.fmt.window, BLOCK_G=max(16, next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args)
+    kernels()._combine_kernel[(bd, hq)](acc, ml, out, seq_lens, out.stride(0), out.stride(1), splits, split_len, interpreting(),
                               HQ=hq, D=d, BLOCK_S=16, BLOCK_D=args["BLOCK_D"])
     return out
 
@@ -368,8 +362,8 @@ def prefill_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, sca
     block_m = block_m or (16 if interpreting() else 64)
     block_n = block_n or (16 if interpreting() else 64)
     ks, vs = _scales(layer)
-    grid = (num_prefill, q.shape[1], triton.cdiv(meta.max_seqlen_q, block_m))
-    _prefill_kernel[grid](q, layer.k, layer.v, ks, vs, out, meta.page_table, meta.seq_lens_k, meta.cu_seqlens_q,
+    grid = (num_prefill, q.shape[1], cdiv(meta.max_seqlen_q, block_m))
+    kernels()._prefill_kernel[grid](q, layer.k, layer.v, ks, vs, out, meta.page_table, meta.seq_lens_k, meta.cu_seqlens_q,
                           scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                           meta.page_table.stride(0), meta.num_decode, BLOCK_M=block_m, BLOCK_N=block_n, **args)
 
@@ -382,3 +376,12 @@ def paged_attention_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetad
         out[: meta.num_decode] = decode_triton(q[: meta.num_decode], layer, meta, scale)
     prefill_triton(q, layer, meta, scale, out)
     return out
+
+
+JIT = (_load_rows, cast, _online_softmax, _mma, _load_kv, _decode_kernel, _combine_kernel, _prefill_kernel)
+
+
+@functools.cache
+def kernels() -> Any:
+    """This module's kernels, jitted on first use (kernels/cuda/jit.py)."""
+    return jit_kernels(globals(), JIT)

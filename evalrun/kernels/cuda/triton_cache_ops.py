@@ -22,12 +22,17 @@ unspecified, as the reference's are).
 """
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+import functools
+from typing import TYPE_CHECKING, Any
 
-from .kv_format import LayerKV
+import torch
+
+from ..kv_format import LayerKV
 from .triton_attention import cast, interpreting
+from .jit import cdiv, jit_kernels, next_power_of_2
+
+if TYPE_CHECKING:              # the kernel bodies' names, bound by jit_kernels
+    import triton.language as tl
 
 
 def supported(k: torch.Tensor, v: torch.Tensor, layer: LayerKV) -> bool:
@@ -49,7 +54,6 @@ def _inputs_and_pages_ok(k: torch.Tensor, v: torch.Tensor, pages: list[torch.Ten
             and all(t.is_contiguous() for t in pages))
 
 
-@triton.jit
 def _write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                   EMULATE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -80,13 +84,12 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mappi
     t, hkv, d = _rows_to_write("K/V write", supported(k, v, layer), k, layer)
     if t == 0:
         return
-    block = block or min(1024, triton.next_power_of_2(hkv * d))
-    _write_kernel[(t, triton.cdiv(hkv * d, block))](
+    block = block or min(1024, next_power_of_2(hkv * d))
+    kernels()._write_kernel[(t, cdiv(hkv * d, block))](
         k, v, layer.k, layer.v, slot_mapping.to(torch.int64).contiguous(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), interpreting(), HKV=hkv, D=d, BLOCK=block)
 
 
-@triton.jit
 def _butterfly(x, NG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     """Each row of x [NG, G] through the fast Walsh-Hadamard transform (no normalisation):
     stage h pairs (i, i + h) in blocks of 2h into (a + b, a - b), as kv_quant.rotate."""
@@ -97,7 +100,6 @@ def _butterfly(x, NG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     return x
 
 
-@triton.jit
 def _quant_kernel(x_ptr, codes_ptr, scales_ptr, slot_ptr, x_stride_t, x_stride_h, norm,
                   HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
                   BITS: tl.constexpr, ROTATE: tl.constexpr):
@@ -157,5 +159,14 @@ def write_kv_quant_triton(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot
     g = fmt.group_size
     norm = float(torch.tensor(g ** -0.5, dtype=torch.float32))      # the reference multiplies by fp32(G^-0.5)
     for x, bits, codes, scales in ((k, fmt.k_bits, layer.k, layer.k_scale), (v, fmt.v_bits, layer.v, layer.v_scale)):
-        _quant_kernel[(t, hkv)](x, codes, scales, slots, x.stride(0), x.stride(1), norm, HKV=hkv, D=d, G=g,
+        kernels()._quant_kernel[(t, hkv)](x, codes, scales, slots, x.stride(0), x.stride(1), norm, HKV=hkv, D=d, G=g,
                                 LOG2G=g.bit_length() - 1, BITS=bits, ROTATE=fmt.rotate)
+
+
+JIT = (cast, _write_kernel, _butterfly, _quant_kernel)
+
+
+@functools.cache
+def kernels() -> Any:
+    """This module's kernels, jitted on first use (kernels/cuda/jit.py)."""
+    return jit_kernels(globals(), JIT)

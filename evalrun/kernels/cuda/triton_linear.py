@@ -25,18 +25,21 @@ to float32 (exact), products summed over each BLOCK_K step in one fixed order fo
 """
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from ..ref.linear import Linear
 from .triton_attention import interpreting
+from .jit import cdiv, jit_kernels, next_power_of_2
+
+if TYPE_CHECKING:              # the kernel bodies' names, bound by jit_kernels
+    import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32      # fixed: the tile shape is part of every output's chain
 
 
-@triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):
@@ -81,14 +84,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if m == 0:
         return y
     emulate = interpreting()
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _linear_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
+    grid = (cdiv(m, BLOCK_M), cdiv(n, BLOCK_N))
+    kernels()._linear_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0),
                          y.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, EMULATE=emulate,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
     return y
 
 
-@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, H, sx, sy, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -113,6 +115,22 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
                          f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](x, weight, y, x.shape[1], x.stride(0), y.stride(0), eps,
-                                        BLOCK=triton.next_power_of_2(x.shape[1]))
+        kernels()._rms_norm_kernel[(x.shape[0],)](x, weight, y, x.shape[1], x.stride(0), y.stride(0), eps,
+                                        BLOCK=next_power_of_2(x.shape[1]))
     return y
+
+
+def linear_invariant_triton(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A batch-invariant Linear on CUDA (kernels/linear.py's kernel for it): rows of any leading shape."""
+    y = linear_triton(x.reshape(-1, x.shape[-1]).contiguous(), lin.weight, lin.bias)
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if residual is None else residual + y
+
+
+JIT = (_linear_kernel, _rms_norm_kernel)
+
+
+@functools.cache
+def kernels() -> Any:
+    """This module's kernels, jitted on first use (kernels/cuda/jit.py)."""
+    return jit_kernels(globals(), JIT)

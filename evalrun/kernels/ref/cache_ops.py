@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_format import LayerKV
+from ..kv_format import LayerKV
 from .kv_quant import dequantize, quantize
 
 

@@ -1,0 +1,1 @@
+"""Torch references of every op (CPU and CUDA): what each fast kernel is checked against."""
