@@ -8,6 +8,7 @@ import pytest
 
 import evalrun.engine as engine
 from evalrun.engine.job import DynamicJob
+from evalrun.engine.kv_manager import KVManager
 from evalrun.engine.page_pool import ROOT_HASH, PagePool, chain_hash
 from evalrun.engine.scheduler import Scheduler
 
@@ -103,10 +104,10 @@ def test_scheduler_dedups_jobs_admitted_together_and_waits():
     sched.add(a)
     assert [j for _, _, j in sched.queue] == [a, b]    # queue sorted by prompt tokens
     assert sched.admit() == [a, b]
-    sa, sb = a.state, b.state
+    sa, sb = a.state.kv, b.state.kv
     assert sb.page_table[:2] == sa.page_table[:2]      # b references a's pages
     assert sb.copy is not None and sb.copy.src_page == sa.page_table[2] and sb.copy.num_tokens == 2
-    assert sb.num_computed_tokens == 10 and sb.cached_tokens == 10
+    assert b.state.num_computed_tokens == 10 and sb.cached_tokens == b.state.cached_tokens == 10
     assert not sched.ready(b)
     chunks = sched.plan()
     assert [(c.job, c.start, c.num_tokens) for c in chunks] == [(a, 0, 13)]
@@ -209,16 +210,16 @@ def test_copy_source_is_not_evicted_by_the_allocation_of_its_own_job():
     y = _job(full + partial[:18] + list(range(300, 340)), n=30)   # 90 + 30 tokens: 4 pages, 1 matched
     sched.add(y)
     assert sched.admit() == [y]                             # room only without the copy: no copy
-    assert y.state.copy is None and y.state.page_table[0] == 0 and sched.ready(y)
+    assert y.state.kv.copy is None and y.state.kv.page_table[0] == 0 and sched.ready(y)
     assert [(c.job, c.start) for c in sched.plan()] == [(y, 32)]
     sched.finish(y)
     z = _job(full + partial[:18] + [7] * 10, n=1)           # 61 tokens: 2 pages, room for the copy too
     pool2_before = sorted(pool.cached)
     sched.add(z)
     assert sched.admit() == [z]
-    if z.state.copy is not None:                            # copying: the source holds its tokens
-        src = pool.pages[z.state.copy.src_page]
-        assert src.ref_count >= 1 and src.num_valid >= z.state.copy.num_tokens
+    if z.state.kv.copy is not None:                         # copying: the source holds its tokens
+        src = pool.pages[z.state.kv.copy.src_page]
+        assert src.ref_count >= 1 and src.num_valid >= z.state.kv.copy.num_tokens
     assert sched.plan(), pool2_before                       # and the scheduler makes progress
 
 
@@ -237,15 +238,15 @@ def test_a_prompt_token_is_never_computed_alone():
 def test_freeing_a_job_with_a_pending_copy_releases_its_source():
     """A job that waits for a sibling's page (a pending copy) and ends before computing anything
     (a draft mirror whose target finished) gives back every reference it took."""
-    from evalrun.engine.kv_manager import KVManager
     pool = PagePool(16, 4)
     kv = KVManager(pool)
     shared = list(range(100, 106))                      # 1 full page + 2 tokens
-    a, b = _job(shared + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]), _job(shared + [7, 8])
-    assert kv.admit(a) and kv.admit(b)
-    assert b.state.copy is not None and b.state.copy.src_page == a.state.page_table[1] and not kv.ready(b)
+    a = kv.admit(shared + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], 25)
+    b = kv.admit(shared + [7, 8], 9)
+    assert a is not None and b is not None
+    assert b.copy is not None and b.copy.src_page == a.page_table[1] and not kv.ready(b)
     kv.free(b)
-    assert b.state.copy is None and pool.pages[a.state.page_table[1]].ref_count == 1
+    assert b.copy is None and pool.pages[a.page_table[1]].ref_count == 1
     kv.free(a)
     assert pool.num_in_use == 0
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from evalrun.engine import DynamicJob, SamplerSettings
+from evalrun.engine import generator as generator_module
 from evalrun.engine import speculation
 from engine_helpers import greedy_jobs, logit_atol, make_generator, random_prompts, run_jobs
 
@@ -139,7 +140,7 @@ def test_rejected_tokens_never_reach_dedup_or_the_prompt_cache(tiny, oracle, mon
     def checked(chunk, num_kept=None):
         real_computed(chunk, num_kept)
         st, ps = chunk.job.state, gen.cache.page_size
-        for idx, pid in enumerate(st.page_table):
+        for idx, pid in enumerate(st.kv.page_table):
             page = gen.cache.pool.pages[pid]
             if page.ref_count == 1:                          # the job's own pages
                 assert page.num_valid <= max(0, st.num_computed_tokens - idx * ps)
@@ -155,33 +156,35 @@ def test_rejected_tokens_never_reach_dedup_or_the_prompt_cache(tiny, oracle, mon
     _assert_same(ref3, run_jobs(gen, greedy_jobs(longer, 10)))
 
 
-def test_draft_tokens_live_in_the_job_state_until_verified(tiny, oracle, monkeypatch):
-    """While a step's forward runs, each drafting job's JobState.draft_ids holds exactly its chunk's
-    draft rows (the oracle's proposal, cut to the budget); after the step they are cleared, and the
-    output is plain greedy."""
+def test_draft_tokens_travel_in_the_step_chunks(tiny, oracle, monkeypatch):
+    """Each drafting job's chunk carries exactly its draft rows as a value (the oracle's proposal, cut
+    to the budget), on decode chunks only and within the step's max_chunk_size rows; the job's state
+    holds no draft, and the output is plain greedy."""
     prompts = random_prompts(3, [6, 14], tiny.config.vocab_size, seed=40)
     ref = run_jobs(make_generator(tiny, max_tokens=8192), greedy_jobs(prompts, 12))
     oracle.reference = {tuple(p): ref[i]["all_token_ids"] for i, p in enumerate(prompts)}
     oracle.wrong = staticmethod(lambda pos: pos % 3 == 2)
     gen = _spec(tiny, num_draft_tokens=3)
     seen = []
-    real_forward = gen.model.forward
+    real_build = generator_module.build_forward_batch
 
-    def forward(batch, cache):
-        for job in gen.scheduler.active:
-            if job.state.draft_ids:
-                kept = len(job.state.new_ids)
-                seen.append(list(job.state.draft_ids))
-                ref_next = oracle.reference[tuple(job.prompt_ids)][kept: kept + len(job.state.draft_ids)]
-                assert job.state.draft_ids == [(t + 1) % 50 + 3 if oracle.wrong(kept + i) else t
-                                               for i, t in enumerate(ref_next)]        # the oracle's rule
-        return real_forward(batch, cache)
-    monkeypatch.setattr(gen.model, "forward", forward)
+    def build(chunks, cache, device):
+        assert sum(ch.num_rows for ch in chunks) <= gen.scheduler.max_chunk_size
+        for ch in chunks:
+            if ch.draft:
+                job, kept = ch.job, len(ch.job.state.new_ids)
+                assert ch.is_decode and isinstance(ch.draft, tuple)
+                seen.append(list(ch.draft))
+                ref_next = oracle.reference[tuple(job.prompt_ids)][kept: kept + len(ch.draft)]
+                assert list(ch.draft) == [(t + 1) % 50 + 3 if oracle.wrong(kept + i) else t
+                                          for i, t in enumerate(ref_next)]        # the oracle's rule
+        return real_build(chunks, cache, device)
+    monkeypatch.setattr(generator_module, "build_forward_batch", build)
     jobs = greedy_jobs(prompts, 12)
     got = run_jobs(gen, jobs)
     _assert_same(ref, got)
     assert seen and all(len(d) <= 3 for d in seen)
-    assert all(not j.state.draft_ids for j in jobs)
+    assert not any("draft_ids" in vars(j.state) for j in jobs)
 
 
 def test_sampled_and_greedy_jobs_share_a_verification_forward(tiny, oracle):

@@ -22,7 +22,8 @@ def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache,
     q_lens, seq_lens, tables, windows = [], [], [], []
     logit_rows, sampled = [], []
     for ch in chunks:
-        job, table = ch.job, ch.job.state.page_table
+        job, alloc = ch.job, ch.job.state.kv
+        table = alloc.page_table
         tokens = _tokens(ch)
         ids.extend(tokens)
         span = range(ch.start, ch.start + len(tokens))
@@ -36,14 +37,14 @@ def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache,
                 q_lens.append(1)
                 seq_lens.append(p + 1)
                 tables.append(table[: -(-(p + 1) // ps)])
-                windows.append(job.state.window_slot)
+                windows.append(alloc.window_slot)
             logit_rows.extend(range(len(ids) - len(tokens), len(ids)))
             sampled.append(ch)
             continue
         q_lens.append(ch.num_tokens)
         seq_lens.append(ch.end)
         tables.append(table[: -(-ch.end // ps)])
-        windows.append(job.state.window_slot)
+        windows.append(alloc.window_slot)
         if ch.end == job.num_tokens:
             logit_rows.append(len(ids) - 1)
             sampled.append(ch)
@@ -63,6 +64,9 @@ def _tokens(ch: ScheduledChunk) -> list[int]:
     job = ch.job
     n = job.prompt_len
     if ch.end <= n:
-        return job.prompt_ids[ch.start: ch.end] + ch.draft
-    new = job.state.new_ids
-    return job.prompt_ids[ch.start: n] + new[max(ch.start - n, 0): ch.end - n] + ch.draft
+        tokens = job.prompt_ids[ch.start: ch.end]
+    else:
+        tokens = job.prompt_ids[ch.start: n] + job.state.new_ids[max(ch.start - n, 0): ch.end - n]
+    if ch.draft:
+        tokens.extend(ch.draft)     # (a new list: slices copy)
+    return tokens

@@ -28,10 +28,10 @@ import torch
 from .batch import build_forward_batch
 from .cache import PagedCache
 from .job import DynamicJob
-from .kv_manager import KVManager
 from .model import Model
+from .output import follow, push_draft
 from .sampler import sample
-from .scheduler import ScheduledChunk
+from .scheduler import ScheduledChunk, Scheduler
 from .speculation import StepCost
 from .verify import banned, plain_greedy
 
@@ -59,7 +59,7 @@ class DraftModelRunner:
         evalrun/engine/speculation.py); else with a generator of its own."""
         self.model, self.cache = model, cache
         self.coupled = coupled
-        self.kv = KVManager(cache.pool, cache.window, cache.window_slots)
+        self.sched = Scheduler(cache.pool, None, max_chunk_size, cache.window, cache.window_slots)
         self.max_chunk_size = max_chunk_size
         self.mirrors: dict[int, DynamicJob] = {}          # id(target job) -> its mirror
         self.cost = StepCost()
@@ -86,7 +86,7 @@ class DraftModelRunner:
     def free(self, job: DynamicJob) -> None:
         m = self.mirrors.pop(id(job), None)
         if m is not None:
-            self.kv.free(m)
+            self.sched.finish(m)
 
     def _mirror(self, job: DynamicJob) -> Optional[DynamicJob]:
         """The job's mirror, synced and ready to compute; None if it cannot draft this step."""
@@ -95,29 +95,26 @@ class DraftModelRunner:
             if job.max_total_tokens > self.model.max_seq_len:
                 return None
             m = DynamicJob(job.prompt_ids, job.max_new_tokens, gen_settings=job.gen_settings, seed=_mirror_seed(job.seed))
-            if self.kv.pages_needed(m) > self.cache.num_pages or not self.kv.admit(m):
+            if self.sched.pages_needed(m) > self.cache.num_pages or not self.sched.start(m):
                 return None
             self.mirrors[id(job)] = m
             self.cached_tokens += m.state.cached_tokens
-        if m.state.copy is not None and self.kv.ready(m):
-            c = self.kv.take_copy(m)
-            self.cache.copy_prefix(c.src_page, c.dst_page, c.num_tokens)
-            self.kv.copy_done(m)
+        sched = self.sched
+        if m.state.kv.copy is not None and sched.ready(m):
+            for c in sched.take_copies([m]):
+                self.cache.copy_prefix(c.src_page, c.dst_page, c.num_tokens)
+            sched.copies_done([m])
         self._sync(m, job)
         if self.coupled:
             m.state.rng.set_state(job.state.rng.get_state())     # the uniforms the job will draw next
-        return m if m.state.copy is None and self.kv.ready(m) else None
+        return m if m.state.kv.copy is None and sched.ready(m) else None
 
     def _sync(self, m: DynamicJob, job: DynamicJob) -> None:
         """The mirror's tokens become the job's kept ones; K/V past the agreeing prefix are dropped."""
-        kept, mine = job.state.new_ids, m.state.new_ids
-        agree = 0
-        while agree < min(len(kept), len(mine)) and kept[agree] == mine[agree]:
-            agree += 1
-        m.state.new_ids = list(kept)
+        agree = follow(m, job.state.new_ids)
         valid = min(m.prompt_len + agree, m.num_tokens - 1)   # the last kept token is fed again: its logits draft
         if m.state.num_computed_tokens > valid:
-            self.kv.rollback(m, valid)
+            self.sched.rollback(m, valid)
 
     def _forward(self, chunks: list[ScheduledChunk], out: dict[int, Proposal], target_of: dict[int, DynamicJob]) -> None:
         t0 = time.perf_counter()
@@ -125,7 +122,7 @@ class DraftModelRunner:
         logits = self.model.forward(batch, self.cache)                    # [len(chunks), V]
         self.forward_passes += 1
         for ch in chunks:
-            self.kv.on_computed(ch.job, ch.start, ch.end)
+            self.sched.computed(ch)
         for row, ch in enumerate(sampled):
             m, job = ch.job, target_of[id(ch.job)]
             prop = out[id(job)]
@@ -142,7 +139,7 @@ class DraftModelRunner:
                 token, q = smp.token, (None if job.gen_settings.is_greedy else smp.probs)
             prop.tokens.append(token)
             prop.probs.append(q)
-            m.state.new_ids.append(token)
+            push_draft(m, token)
         self.cost.observe(sum(ch.num_tokens for ch in chunks), time.perf_counter() - t0)
 
 

@@ -92,7 +92,7 @@ class DynamicGenerator:
             raise ValueError("a DynamicJob is listed twice: already enqueued in this list; create one job per request")
         now = time.time()
         for j in jobs:
-            j.state.time_enqueued = now
+            self.outputs[id(j)] = JobOutput(j, self.tokenizer, now)
             self.scheduler.add(j)
             self.counters["prompt_tokens"] += j.prompt_len
 
@@ -115,7 +115,7 @@ class DynamicGenerator:
             raise ValueError(f"stop token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         if job.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass tokenizer= to DynamicGenerator")
-        if job.state.serial or job.state.page_table or job.state.new_ids:
+        if job.state.serial or job.state.kv is not None or job.state.new_ids:
             raise ValueError("this DynamicJob was already enqueued; create a new one")
 
     def num_remaining_jobs(self) -> int:
@@ -127,21 +127,23 @@ class DynamicGenerator:
         sched = self.scheduler
         now = time.time()
         for job in sched.admit():
-            job.state.time_started = now
-            self.outputs[id(job)] = JobOutput(job, self.tokenizer)
+            self.outputs[id(job)].start(now)
             self.counters["cached_tokens"] += job.state.cached_tokens
             if self.spec.use_ngram_draft:
                 job.state.drafter = NgramDrafter(job.prompt_ids, self.spec.max_ngram, self.spec.min_ngram)
         self.counters["peak_batch_size"] = max(self.counters["peak_batch_size"], len(sched.active))
-        chunks = sched.plan(self._drafts() if self.policy is not None else None)
+        chunks = sched.plan()
         if not chunks:
             if sched.active or sched.queue:
                 raise RuntimeError("scheduler made no progress (no runnable job) — this is a bug")
             return []
+        if self.policy is not None:
+            chunks = sched.with_drafts(chunks, self._drafts(chunks))
         t0 = time.perf_counter()
-        for copy in sched.take_copies(chunks):
+        jobs = [ch.job for ch in chunks]
+        for copy in sched.take_copies(jobs):
             self.cache.copy_prefix(copy.src_page, copy.dst_page, copy.num_tokens)
-        sched.copies_done(chunks)
+        sched.copies_done(jobs)
         batch, sampled = build_forward_batch(chunks, self.cache, self.model.device)
         logits = self.model.forward(batch, self.cache)                        # [N, V] float32
         self.counters["forward_passes"] += 1
@@ -150,7 +152,7 @@ class DynamicGenerator:
             self.counters["prefill_tokens"] += max(0, min(ch.end, ch.job.prompt_len) - ch.start)
             if not ch.draft:
                 sched.computed(ch)
-        results = self._sample(sampled, logits)              # verifies the drafts (and clears them)
+        results = self._sample(sampled, logits)              # verifies the drafts
         if self.policy is not None and all(ch.num_tokens == 1 for ch in chunks):
             self.policy.observe_step(rows, time.perf_counter() - t0, drafted)
         if not self.num_remaining_jobs():
@@ -159,27 +161,31 @@ class DynamicGenerator:
                 self.draft.cache.defragment()
         return results
 
-    def _drafts(self) -> dict[int, list[int]]:
-        """Draft tokens of the decoding jobs that are worth verifying this step (by job id)."""
+    def _drafts(self, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:
+        """Draft tokens of the step's decoding jobs that are worth verifying (by job id), within the
+        scheduler's draft budget."""
         sched, spec = self.scheduler, self.spec
-        jobs = [j for j in sched.decoding() if sched.ready(j)]
-        limits = {id(j): max_draft(j.num_tokens, len(j.state.new_ids), j.max_new_tokens, self.model.max_seq_len,
-                                   self.cache.window, spec.num_draft_tokens) for j in jobs}
+        budget = sched.draft_budget(chunks)
+        jobs = [ch.job for ch in chunks if ch.is_decode]
+        if budget <= 0 or not jobs:
+            return {}
+        limits = {id(j): min(budget, max_draft(j.num_tokens, len(j.state.new_ids), j.max_new_tokens,
+                                               self.model.max_seq_len, self.cache.window, spec.num_draft_tokens))
+                  for j in jobs}
         if self.draft is None:
             proposals = {id(j): d for j in jobs if limits[id(j)] and (d := j.state.drafter.propose(limits[id(j)]))}
         else:
             proposals = {id(j): [0] * limits[id(j)] for j in jobs if limits[id(j)]}   # lengths only, yet
         if not proposals:
             return {}
-        prefill = sum(j.num_tokens - j.state.num_computed_tokens for j in sched.active) - len(jobs)
-        rows = min(sched.max_chunk_size, len(jobs) + prefill)
         remaining = None if sched.queue else {id(j): j.max_new_tokens - len(j.state.new_ids) for j in sched.active}
         draft_cost = None if self.draft is None else self.draft.cost
-        chosen = self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, rows, len(jobs), remaining,
-                                    draft_cost)
+        chosen = self.policy.choose(proposals, {id(j): j.state.draft for j in jobs}, sched.max_chunk_size - budget,
+                                    len(jobs), remaining, draft_cost)
         if self.draft is None or not chosen:
             return chosen
-        made = self.draft.propose([(j, len(chosen[id(j)])) for j in jobs if id(j) in chosen])
+        wants = {ch.job: len(ch.draft) for ch in sched.with_drafts(chunks, chosen) if ch.draft}
+        made = self.draft.propose(list(wants.items()))
         self._draft_probs = {k: p.probs for k, p in made.items()}
         return {k: p.tokens for k, p in made.items()}
 

@@ -7,21 +7,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .draft import NgramDrafter
+from .kv_manager import KVAllocation
 from .sampler import SamplerSettings, make_generator
 from .speculation import DraftRecord
 from .stops import split_stop_conditions
 
 
-@dataclass
-class PageCopy:
-    """Copy `num_tokens` prompt slots from a sibling page into the job's own page."""
-    src_page: int
-    dst_page: int
-    num_tokens: int
-
-
 class DynamicJob:
-    """A generation request. State fields are owned by the scheduler/generator.
+    """A generation request: what was asked (set here, never changed) and its `JobState`.
 
     Scheduling needs only two counters: `num_computed_tokens` (K/V in the cache)
     and `num_tokens` (prompt + sampled). A job computes the difference, in chunks.
@@ -75,26 +68,46 @@ class DynamicJob:
                 f"max_new_tokens={self.max_new_tokens})")
 
 
+# NOTE: one writer per field: only the module named here assigns the field (or changes a list field
+# in place); every other module reads it. tests/test_job_state_writers.py fails on any other writer.
+WRITERS = {
+    "rng": "job.py",                     # made here; draws advance it, a draft mirror copies its target's
+    "num_computed_tokens": "scheduler.py",
+    "kv": "scheduler.py",
+    "serial": "scheduler.py",
+    "new_ids": "output.py",
+    "time_enqueued": "output.py",
+    "time_started": "output.py",
+    "time_first_token": "output.py",
+    "nonfinite_logits": "verify.py",
+    "drafter": "generator.py",
+    "draft": "job.py",                   # made here; DraftPolicy (speculation.py) alone writes its fields
+}
+
+
 @dataclass
 class JobState:
-    rng: torch.Generator
-    new_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    page_table: list[int] = field(default_factory=list)
-    waits: list[tuple[int, int]] = field(default_factory=list)   # (page id, slots that must be valid)
-    copy: Optional[PageCopy] = None
-    cached_tokens: int = 0
-    window_slot: Optional[int] = None     # block of the cache's recent-token window store
-    serial: int = 0
+    """What changes while a job runs; each field has one writer (WRITERS)."""
+    rng: torch.Generator                  # the job's own randomness (a seeded job reproduces)
+    new_ids: list[int] = field(default_factory=list)    # tokens kept: JobOutput.accept (a draft mirror:
+                                                        # its target's kept ones, then its drafts)
+    num_computed_tokens: int = 0          # positions whose K/V are in the job's pages: the scheduler sets it
+                                          # to kv.cached_tokens at admission, advances it per chunk and
+                                          # lowers it when draft tokens are rejected
+    kv: Optional[KVAllocation] = None     # the job's pages, waits, copy and window slot (KVManager.admit's;
+                                          # only the KV manager writes inside it)
+    serial: int = 0                       # order of enqueueing (the queue's tie-break)
     time_enqueued: float = 0.0
     time_started: float = 0.0
     time_first_token: float = 0.0
     nonfinite_logits: int = 0             # sampled positions whose logits held a NaN or an Inf
     drafter: Optional[NgramDrafter] = None    # n-gram drafting over the job's kept tokens
-    draft_ids: list[int] = field(default_factory=list)       # draft tokens in this step's forward (rows after
-                                                             # the last token), until verified
     draft: DraftRecord = field(default_factory=DraftRecord)   # speculative drafting history
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens reused from the cache (whole pages and copied slots), not computed."""
+        return 0 if self.kv is None else self.kv.cached_tokens
 
 def _as_id_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(ids, torch.Tensor):

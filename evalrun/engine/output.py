@@ -1,4 +1,8 @@
-"""Per-job output stream: sampled token -> text chunk, stop checks, result dicts."""
+"""Per-job output stream: sampled token -> text chunk, stop checks, result dicts.
+
+NOTE: this module alone writes a job's kept tokens (`JobState.new_ids`) and its timings: a
+target job's through `JobOutput`, a draft model's mirror job's through `follow` and `push_draft`.
+"""
 from __future__ import annotations
 
 import time
@@ -15,13 +19,19 @@ from .types import GeneratorResult
 
 
 class JobOutput:
-    """Owns a running job's text state; `accept` turns the tokens of one step into a result."""
+    """Owns an enqueued job's tokens, timings and text state; `accept` turns the tokens of one
+    step into a result."""
 
-    def __init__(self, job: DynamicJob, tokenizer: Optional[Tokenizer]):
+    def __init__(self, job: DynamicJob, tokenizer: Optional[Tokenizer], time_enqueued: float):
         self.job = job
         self.decoder = StreamingDecoder(tokenizer, job.decode_special_tokens) if tokenizer else None
         self.matcher = StopStringMatcher(job.stop_strings) if job.stop_strings else None
         self.text: list[str] = []
+        job.state.time_enqueued = time_enqueued
+
+    def start(self, now: float) -> None:
+        """The job was admitted: its prefill starts."""
+        self.job.state.time_started = now
 
     def accept(self, samples: list[SampleResult], logits: Optional[torch.Tensor]) -> GeneratorResult:
         """The job's next tokens, in order (several when draft tokens were accepted); tokens
@@ -94,3 +104,20 @@ class JobOutput:
             drafted_tokens=st.draft.drafted,
             accepted_draft_tokens=st.draft.accepted,
         )
+
+
+# --- a draft model's mirror job (evalrun/engine/draft_model.py) -------------------------------------
+def follow(mirror: DynamicJob, kept: list[int]) -> int:
+    """The mirror's tokens become its target's kept ones; returns how many of the mirror's generated
+    tokens agreed with them (the K/V of the rest are stale)."""
+    mine = mirror.state.new_ids
+    agree, n = 0, min(len(kept), len(mine))
+    while agree < n and kept[agree] == mine[agree]:
+        agree += 1
+    mirror.state.new_ids = list(kept)
+    return agree
+
+
+def push_draft(mirror: DynamicJob, token: int) -> None:
+    """A token the draft model proposed follows the mirror's tokens."""
+    mirror.state.new_ids.append(token)
