@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import write_result
-from evalrun.kernels import gemm
+from evalrun.kernels.cpu import gemm
 from evalrun.kernels.linear import Linear, linear, onednn_available
 
 Variant = Callable[[torch.Tensor], torch.Tensor]

@@ -22,9 +22,10 @@ import torch
 
 from benchmarks.common import DEFAULT_OUT_DIR, machine_info, positive_int, print_machine, write_result
 from benchmarks.machine_roofs import format_roofs, measure_roofs
-from evalrun.kernels import paged_prefill
-from evalrun.kernels.attention import attend, build_metadata
-from evalrun.kernels.cache_ops import write_kv_torch
+from evalrun.kernels.cpu import paged_prefill
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.ref.attention import attend
+from evalrun.kernels.ref.cache_ops import write_kv_torch
 from evalrun.kernels.kv_format import LayerKV, kv_format
 
 NAME = "bench_prefill_attention"

@@ -32,7 +32,7 @@ from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, mo
 from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 from evalrun.engine import generator as generator_module
 from evalrun.demo import ensure_demo_model
-from evalrun.kernels import decode_step
+from evalrun.kernels.cpu import decode_step
 
 LINEAR_STAGES = ("qkv", "o_proj", "gate_up", "down")
 

@@ -49,7 +49,7 @@ DEV = {"device": torch.device("cuda")}      # --dry-run: the CPU under Triton's 
 
 def _paged_layer(fmt_name: str, rows: int, ctx: int, page: int, hkv: int, d: int, gen: torch.Generator):
     """Every row's context on its own shuffled pages, filled through the reference write."""
-    from evalrun.kernels.cache_ops import write_kv_torch
+    from evalrun.kernels.ref.cache_ops import write_kv_torch
     from evalrun.kernels.kv_format import LayerKV, kv_format
     fmt = kv_format(fmt_name, window=0) if fmt_name.startswith("q") else kv_format(fmt_name)
     per_row = -(-ctx // page)
@@ -79,8 +79,9 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_decode(rows: int, ctx: int, fmt_name: str, hq: int = 32, hkv: int = 8, d: int = 128,
                  page: int = 256) -> dict:
-    from evalrun.kernels.attention import build_metadata, decode_gather, decode_torch
-    from evalrun.kernels.triton_attention import decode_triton
+    from evalrun.kernels.attention import build_metadata, decode_gather
+    from evalrun.kernels.ref.attention import decode_torch
+    from evalrun.kernels.cuda.triton_attention import decode_triton
     gen = torch.Generator().manual_seed(rows)
     layer, tables, null_page = _paged_layer(fmt_name, rows, ctx, page, hkv, d, gen)
     meta = build_metadata([1] * rows, [ctx] * rows, tables, page, null_page, DEV["device"])
@@ -97,7 +98,7 @@ def bench_decode(rows: int, ctx: int, fmt_name: str, hq: int = 32, hkv: int = 8,
     res["triton_bandwidth_TBps"] = cache_bytes / res["triton_ms"] / 1e9
     res["triton_share_of_4.8TBps"] = res["triton_bandwidth_TBps"] * 1e12 / H200_BYTES_PER_S
     if fmt_name == "bf16":      # the same K/V dense [B, Hkv, L, D]: SDPA's own kernel, no page table
-        from evalrun.kernels.cache_ops import gather_kv
+        from evalrun.kernels.ref.cache_ops import gather_kv
         k, v = gather_kv(layer, decode_gather(meta)[0].view(-1), torch.bfloat16)
         k, v = (x.view(rows, ctx, hkv, d).transpose(1, 2).contiguous() for x in (k, v))
         qd = q[:, :, None]                                                                 # [B, Hq, 1, D]
@@ -186,7 +187,7 @@ def main() -> None:
             t = time.time()
             try:
                 if args.dry_run:
-                    from evalrun.kernels.triton_interpreter import interpreter_scalars
+                    from evalrun.kernels.cuda.triton_interpreter import interpreter_scalars
                     with interpreter_scalars():
                         result[key] = fn()
                 else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from evalrun.engine import Model, Tokenizer
-from evalrun.kernels import decode_step, gemm
+from evalrun.kernels.cpu import decode_step, gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available() or decode_step._lib() is None,
                                 reason="native kernels unavailable here")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from evalrun.engine import Model
-from evalrun.kernels import decode_step, gemm
-from evalrun.kernels.decode_step import DecodeStep
+from evalrun.kernels.cpu import decode_step, gemm
+from evalrun.kernels.cpu.decode_step import DecodeStep
 from tests.engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 
 pytestmark = pytest.mark.skipif(not gemm.available() or decode_step._lib() is None,
@@ -88,7 +88,7 @@ def test_decode_step_follows_replaced_pages(tiny_model_dir):
 
 def test_decode_step_refuses_pages_of_another_shape(tiny_model_dir):
     """Pages that do not hold the model's KV heads (or differ between layers) never reach the C code."""
-    from evalrun.kernels.decode_step import LayerParts
+    from evalrun.kernels.cpu.decode_step import LayerParts
     model = Model.load(tiny_model_dir, dtype="float32")
     cache = make_generator(model, max_tokens=256).cache
     cfg = model.config

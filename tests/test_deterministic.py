@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from evalrun.engine import Model
 from evalrun.engine.auto import HostFacts, SettingError, choose_deterministic
 from evalrun.commands.cli import main
-from evalrun.kernels import gemm
+from evalrun.kernels.cpu import gemm
 from evalrun.kernels.linear import linear, make_linear
 from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 from run_helpers import sigkill_after_parts

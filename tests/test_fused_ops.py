@@ -2,11 +2,15 @@
 bitwise batch invariance (a row's result alone equals the same row among many)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from evalrun.kernels import fused
-from evalrun.kernels.backend import NativeCpuKernels, TorchKernels
+from evalrun.kernels.cpu import fused
+from evalrun.kernels.ref import fused as ref_fused
+from evalrun.kernels.backend import NativeCpuKernels, PlanKey, TorchKernels
+from evalrun.kernels.kv_format import KV_FORMATS
 
 
 def _need_native() -> None:
@@ -20,7 +24,7 @@ def test_rms_norm_matches_torch(rows, hidden):
     g = torch.Generator().manual_seed(rows * hidden)
     x = torch.randn(rows, hidden, generator=g) * 4
     w = torch.randn(hidden, generator=g)
-    torch.testing.assert_close(fused.rms_norm_native(x, w, 1e-5), fused.rms_norm_reference(x, w, 1e-5),
+    torch.testing.assert_close(fused.rms_norm_native(x, w, 1e-5), ref_fused.rms_norm_reference(x, w, 1e-5),
                                atol=2e-6, rtol=1e-5)
 
 
@@ -29,7 +33,7 @@ def test_silu_mul_matches_torch(rows, inter):
     _need_native()
     gu = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows + inter)) * 8
     gu[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])       # zero, both saturations
-    torch.testing.assert_close(fused.silu_mul_native(gu), fused.silu_mul_reference(gu), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused.silu_mul_native(gu), ref_fused.silu_mul_reference(gu), atol=1e-5, rtol=1e-5)
 
 
 def test_rows_are_batch_invariant():
@@ -44,11 +48,18 @@ def test_rows_are_batch_invariant():
         assert torch.equal(fused.rms_norm_native(x[-n:], w, 1e-5), full_n[-n:])
 
 
-def test_backends_route_by_dtype():
+def test_plans_route_norms_by_dtype():
+    """The plan of a bf16 model runs the reference RMSNorm on its layers' rows (the native one takes
+    float32 rows only) and the native one on the head's float32 rows; a float32 model both natively."""
     _need_native()
     x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
-    ref = TorchKernels().rms_norm(x, w, 1e-6)
-    assert torch.equal(NativeCpuKernels().rms_norm(x, w, 1e-6), ref)           # bf16: the reference runs
+    key = PlanKey("cpu", torch.bfloat16, KV_FORMATS["bf16"], 16, 2, 1, 16)
+    plan = NativeCpuKernels().plan(key)
+    assert plan.rms_norm is ref_fused.rms_norm_reference and plan.names["norm_act"] == "torch"
+    assert plan.head_norm is fused.rms_norm_native and plan.names["head_norm"] == "native-c"
+    assert torch.equal(plan.rms_norm(x, w, 1e-6), TorchKernels().plan(key).rms_norm(x, w, 1e-6))
+    f32 = NativeCpuKernels().plan(dataclasses.replace(key, dtype=torch.float32, fmt=KV_FORMATS["fp32"]))
+    assert f32.rms_norm is fused.rms_norm_native and f32.names["norm_act"] == "native-c"
     with pytest.raises(ValueError, match="float32 CPU rows"):
         fused.rms_norm_native(x, w, 1e-6)
 
@@ -75,7 +86,7 @@ def test_rope_write_matches_the_reference(t, hq, hkv, d):
         k_ref.view(-1, hkv, d)[slots] = k
         v_ref.view(-1, hkv, d)[slots] = v
 
-    q_ref, _, _ = fused.rope_write_reference(qkv, cos, sin, hq, hkv, write)
+    q_ref, _, _ = ref_fused.rope_write_reference(qkv, cos, sin, hq, hkv, write)
     q = fused.rope_write_native(qkv, cos, sin, hq, hkv, k_nat, v_nat, slots)
     torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_nat, k_ref, atol=1e-6, rtol=1e-6, equal_nan=True)   # untouched slots stay NaN

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evalrun.kernels import gemm
+from evalrun.kernels.cpu import gemm
 
 pytestmark = pytest.mark.skipif(not gemm.available(), reason=f"native GEMM: {gemm.unavailable_reason()}")
 
@@ -187,7 +187,7 @@ def test_gemm_silu_is_bitwise_the_two_calls(i, k, m):
     """The gate/up GEMM with SiLU in its epilogue: bitwise silu_mul(gemm(...)) (so the fused decode
     step stays bitwise the per-op path), close to the float64 reference, and the same bits for a
     row whatever rows share the call."""
-    from evalrun.kernels import fused
+    from evalrun.kernels.cpu import fused
     if gemm.width() != 256:
         pytest.skip("the fused path runs on the AVX2 tiles (AVX-512 tiles in use: the two calls run)")
     if not fused.available():

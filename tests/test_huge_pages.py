@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evalrun.kernels import gemm, huge_pages
+from evalrun.kernels.cpu import gemm, huge_pages
 from evalrun.kernels.kv_format import KV_FORMATS, LayerKV
 
 

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from evalrun.kernels.attention import build_metadata, paged_attention_torch
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.ref.attention import paged_attention_torch
 from evalrun.kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
-from evalrun.kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
+from evalrun.kernels.ref.cache_ops import copy_page_prefix, gather_kv, write_kv
 from evalrun.kernels.kv_format import KV_FORMATS, LayerKV, kv_format
 
 # page storage alone: the formats without their recent-token window (that: tests/test_kv_window.py)
@@ -111,7 +112,7 @@ def test_linear_dispatch_matches_reference(rows, with_bias):
     w = torch.randn(96, 80, generator=gen)
     b = torch.randn(96, generator=gen) if with_bias else None
     x = torch.randn(rows, 80, generator=gen)
-    from evalrun.kernels import gemm
+    from evalrun.kernels.cpu import gemm
     lin = make_linear(w, b)
     if gemm.available():                                       # AVX2 + FMA and a C compiler here
         assert lin.panels is not None and lin.packed is None

@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from evalrun.kernels.attention import build_metadata, paged_attention_torch
-from evalrun.kernels.cache_ops import copy_page_prefix, gather_kv, write_kv
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.ref.attention import paged_attention_torch
+from evalrun.kernels.ref.cache_ops import copy_page_prefix, gather_kv, write_kv
 from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
-from evalrun.kernels.kv_quant import dequantize, hadamard, quantize, rotate
+from evalrun.kernels.ref.kv_quant import dequantize, hadamard, quantize, rotate
 
 # page storage alone: the formats without their recent-token window (that: tests/test_kv_window.py)
 PAGE_FORMATS = {m: kv_format(f, window=0) if f.quantized else f for m, f in KV_FORMATS.items()}
@@ -348,7 +349,7 @@ def test_values_beyond_the_float16_scale_range_stay_finite(bits):
 
 def _need_native_quant(monkeypatch):
     """The native module, with its torch fallbacks made to fail: a test passes only if C ran."""
-    from evalrun.kernels import kv_quant_native
+    from evalrun.kernels.cpu import kv_quant as kv_quant_native
     if not kv_quant_native.quantize_available():
         pytest.skip("the native quantize kernel is not built here (no C compiler, native off or no F16C)")
 

@@ -17,11 +17,11 @@ from engine_helpers import greedy_jobs, logit_atol, random_prompts, run_jobs
 
 from evalrun.engine import DynamicGenerator, Model, PagedCache
 from evalrun.commands.cli import main
-from evalrun.kernels import paged_decode
+from evalrun.kernels.cpu import paged_decode
 from evalrun.kernels.attention import build_metadata
 from evalrun.kernels.backend import NativeCpuKernels, TorchKernels
 from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
-from evalrun.kernels.kv_quant import dequantize, quantize, rotate
+from evalrun.kernels.ref.kv_quant import dequantize, quantize, rotate
 
 G = 32
 FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"

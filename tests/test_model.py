@@ -6,6 +6,8 @@ poisoned with NaN, so a logit that reads a stale or unwritten slot turns NaN and
 """
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -170,8 +172,13 @@ def test_tiny_last_layer_runs_only_the_logit_rows(tiny_model_factory, backend: s
     model_dir = tiny_model_factory("llama", seed=13)
     model = Model.load(model_dir, dtype="float32", kernels=TorchKernels() if backend == "torch" else None)
     mlp_rows: list[int] = []
-    real = model.kernels.gate_up_silu
-    monkeypatch.setattr(model.kernels, "gate_up_silu", lambda h, w: mlp_rows.append(h.shape[0]) or real(h, w))
+    real_plan = model.kernel_plan
+
+    def counting_plan(fmt, page_size):                # each cache's plan, its MLP op counting rows
+        plan = real_plan(fmt, page_size)
+        return dataclasses.replace(plan, gate_up_silu=lambda h, w: mlp_rows.append(h.shape[0]) or plan.gate_up_silu(h, w))
+
+    monkeypatch.setattr(model, "kernel_plan", counting_plan)
     vocab, layers = model.config.vocab_size, model.config.num_layers
     prompts = [random_prompt(n, vocab, seed=100 + n) for n in (5, 17, 33)]
     last_rows = [4, 21, 54]                                           # each prompt's last token

@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
-from evalrun.kernels import native, paged_decode, paged_prefill
-from evalrun.kernels.attention import build_metadata, decode_torch, paged_attention_torch
+from evalrun.kernels.cpu import native, paged_decode, paged_prefill
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.ref.attention import decode_torch, paged_attention_torch
 from evalrun.kernels.backend import NativeCpuKernels, TorchKernels, choose_kernels
-from evalrun.kernels.cache_ops import write_kv_torch
-from evalrun.kernels.cpu import cpu_flags
+from evalrun.kernels.ref.cache_ops import write_kv_torch
+from evalrun.kernels.cpu.host import cpu_flags
 from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format
-from evalrun.kernels.kv_quant import rotate
+from evalrun.kernels.ref.kv_quant import rotate
 
 QUANTIZED = [name for name, f in KV_FORMATS.items() if f.quantized]      # q8, q6, q4
 
@@ -163,7 +164,7 @@ def test_native_disabled_by_env_uses_reference(monkeypatch, fresh_native, mode, 
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, fresh_native, caplog):
     monkeypatch.setenv("CC", "false")              # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="evalrun.kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="evalrun.kernels.cpu.native"):
         assert native.load("paged_decode") is None
     assert "building native kernel pool failed" in caplog.text          # the first library it needs
     assert "native kernel paged_decode disabled" in caplog.text

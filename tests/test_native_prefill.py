@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evalrun.kernels import paged_prefill
-from evalrun.kernels.attention import attend, build_metadata, paged_attention_torch
+from evalrun.kernels.cpu import paged_prefill
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.ref.attention import attend, paged_attention_torch
 from evalrun.kernels.backend import NativeCpuKernels
 from evalrun.kernels.kv_format import KV_FORMATS
 from tests.test_native_kernels import _machine_has_cc, _paged_case

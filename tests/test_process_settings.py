@@ -68,7 +68,7 @@ def _probe(pkg: str, cwd: Path, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("pkg", ["evalrun.commands.cli", "evalrun.engine", "evalrun.tasks", "evalrun.kernels.gemm",
+@pytest.mark.parametrize("pkg", ["evalrun.commands.cli", "evalrun.engine", "evalrun.tasks", "evalrun.kernels.cpu.gemm",
                                  "evalrun.results"])
 def test_settings_are_in_force_when_started_outside_the_checkout(pkg, tmp_path):
     got = _probe(pkg, tmp_path)

@@ -21,10 +21,11 @@ import torch
 
 from triton_setup import DEVICE, INTERPRET, check_interpreting, interpreter_scalars  # noqa: F401,E402
 
-from evalrun.kernels import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
-from evalrun.kernels.attention import build_metadata, decode_torch  # noqa: E402
+from evalrun.kernels.cuda import triton_attention, triton_cache_ops  # noqa: E402  (after TRITON_INTERPRET)
+from evalrun.kernels.attention import build_metadata  # noqa: E402
+from evalrun.kernels.ref.attention import decode_torch  # noqa: E402
 from evalrun.kernels.backend import FlashAttnKernels, TorchKernels, TritonKernels, choose_kernels  # noqa: E402
-from evalrun.kernels.cache_ops import write_kv_torch  # noqa: E402
+from evalrun.kernels.ref.cache_ops import write_kv_torch  # noqa: E402
 from evalrun.kernels.kv_format import KV_FORMATS, KVFormat, LayerKV, kv_format  # noqa: E402
 
 check_interpreting(triton_attention.interpreting())
@@ -231,10 +232,13 @@ def test_quantized_write_matches_reference(mode, src_dtype, d):
 def test_backend_choice_describe_and_fallbacks():
     assert isinstance(choose_kernels("cuda"), TritonKernels)
     kernels = TritonKernels()
-    assert kernels.describe(KV_FORMATS["bf16"]) == {"kv_write": "triton", "decode_attention": "triton",
-                                                    "prefill_attention": "triton", "norm_act": "triton rms_norm, torch silu"}
-    assert kernels.describe(KV_FORMATS["q4"]) == {"kv_write": "triton", "decode_attention": "triton",
-                                                  "prefill_attention": "torch-sdpa", "norm_act": "triton rms_norm, torch silu"}
+    rest = {"rope_write": "torch", "head_norm": "triton", "gate_up_silu": "torch", "decode_step": "off"}
+    assert kernels.describe(KV_FORMATS["bf16"], torch.bfloat16) == {
+        "kv_write": "triton", "decode_attention": "triton", "prefill_attention": "triton",
+        "norm_act": "triton rms_norm, torch silu", "cuda_graphs": "on", **rest}
+    assert kernels.describe(KV_FORMATS["q4"], torch.bfloat16) == {    # a window: graphs and prefill not Triton's
+        "kv_write": "triton", "decode_attention": "triton", "prefill_attention": "torch-sdpa",
+        "norm_act": "triton rms_norm, torch silu", "cuda_graphs": "off", **rest}
     # a layout the kernels do not take goes to the reference, with the reference's answer
     layer, q, meta = _case(PAGE_FORMATS["fp32"], 4, 2, 32, 4, [6, 9], [1, 4], 0, torch.float64)
     assert not triton_attention.supported(q, layer)
@@ -341,7 +345,7 @@ COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from evalrun.kernels import triton_attention as ta, triton_cache_ops as tc, triton_linear as tli
+from evalrun.kernels.cuda import triton_attention as ta, triton_cache_ops as tc, triton_linear as tli
 
 def build(fn, types, consts):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -354,20 +358,20 @@ for kv, q, bits, window, native in [("*bf16", "*bf16", (0, 0), 0, True), ("*u8",
              **ptrs(["wslot_ptr", "wstart_ptr", "table_ptr", "lens_ptr", "cu_q_ptr"], "*i32")}
     common = dict(HKV=8, GQA=4, D=128, PAGE=256, K_BITS=bits[0], V_BITS=bits[1], GROUP=32, NATIVE=native,
                   EMULATE=False, BLOCK_N=64, BLOCK_D=128)
-    build(ta._decode_kernel, types, dict(common, WINDOW=window, BLOCK_G=16))
+    build(ta.kernels()._decode_kernel, types, dict(common, WINDOW=window, BLOCK_G=16))
     if not window:
-        build(ta._prefill_kernel, types, dict(common, BLOCK_M=64))
-build(ta._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i32"},
+        build(ta.kernels()._prefill_kernel, types, dict(common, BLOCK_M=64))
+build(ta.kernels()._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i32"},
       dict(EMULATE=False, HQ=32, D=128, BLOCK_S=4, BLOCK_D=128))
-build(tc._write_kernel, {**ptrs(["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16"), "slot_ptr": "*i64"},
+build(tc.kernels()._write_kernel, {**ptrs(["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16"), "slot_ptr": "*i64"},
       dict(EMULATE=False, HKV=8, D=128, BLOCK=1024))
 for bits in (8, 4):
-    build(tc._quant_kernel, {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16", "slot_ptr": "*i64",
+    build(tc.kernels()._quant_kernel, {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16", "slot_ptr": "*i64",
                              "norm": "fp32"}, dict(HKV=8, D=128, G=32, LOG2G=5, BITS=bits, ROTATE=True))
 for dt, ieee in (("*bf16", False), ("*fp32", True)):
-    build(tli._linear_kernel, {**ptrs(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], dt)},
+    build(tli.kernels()._linear_kernel, {**ptrs(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], dt)},
           dict(HAS_BIAS=True, IEEE=ieee, EMULATE=False, BM=tli.BLOCK_M, BN=tli.BLOCK_N, BK=tli.BLOCK_K))
-build(tli._rms_norm_kernel, {**ptrs(["x_ptr", "w_ptr", "y_ptr"], "*bf16"), "eps": "fp32"}, dict(BLOCK=4096))
+build(tli.kernels()._rms_norm_kernel, {**ptrs(["x_ptr", "w_ptr", "y_ptr"], "*bf16"), "eps": "fp32"}, dict(BLOCK=4096))
 print("compiled")
 """
 
@@ -432,8 +436,10 @@ def test_flash_attn_backend_plumbing(mode, page_size, flash):
     ref = TorchKernels().attention(q, layer, meta, 0.125)
     _close(out, ref, dtype)
     assert stand_in.calls == (1 if flash else 0)
-    described = kernels.describe(fmt)["decode_attention"]
-    assert described.startswith("flash-attn") == (not fmt.quantized)
+    described = kernels.describe(fmt, dtype, page_size=page_size)
+    assert (described["decode_attention"] == "flash-attn") == flash
+    assert described["prefill_attention"] == ("flash-attn" if flash else "triton" if not fmt.window else "torch-sdpa")
+    assert described["cuda_graphs"] == "off"                  # flash-attn reads the lengths on the host
 
 
 def test_flash_attn_chosen_where_it_imports_except_in_deterministic_mode(monkeypatch):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from triton_setup import DEVICE, check_interpreting, interpreter_scalars  # noqa: F401,E402
 
-from evalrun.kernels import triton_linear  # noqa: E402  (after TRITON_INTERPRET)
+from evalrun.kernels.cuda import triton_linear  # noqa: E402  (after TRITON_INTERPRET)
 from evalrun.kernels.linear import linear, make_linear  # noqa: E402
 
 check_interpreting(triton_linear.interpreting())

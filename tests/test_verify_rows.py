@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.verify_rows_cost import forward
 from evalrun.engine import Model, PagedCache
-from evalrun.kernels.decode_step import DecodeStep
+from evalrun.kernels.cpu.decode_step import DecodeStep
 
 
 def _fresh(model, prompt, table):

@@ -32,6 +32,6 @@ def interpreter_scalars():
     if not INTERPRET:
         yield
         return
-    from evalrun.kernels import triton_interpreter
+    from evalrun.kernels.cuda import triton_interpreter
     with triton_interpreter.interpreter_scalars():
         yield

@@ -23,10 +23,10 @@ flash-attn; its tests run against a stand-in module.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -60,12 +60,17 @@ class PlanKey:
     head_dim: int
     intermediate_size: int = 0   # 0: unknown (no fused gate/up epilogue)
     deterministic: bool = False
+    # the cache's tensors are as LayerKV.allocate lays them out (a PagedCache's are); False: a layer
+    # made by hand that does not fit (for_layer), which every backend's plan sends to the reference
+    standard_layout: bool = True
 
     @classmethod
     def for_layer(cls, q: torch.Tensor, layer: LayerKV, deterministic: bool = False) -> "PlanKey":
         """The key of a query [T, Hq, D] against one layer's cache (tests and benchmarks of one op)."""
+        fits = (q.dim() == 3 and q.shape[-1] == layer.head_dim and q.shape[1] >= 1 and layer.standard_layout()
+                and all(t.device == q.device for t in layer.tensors()))
         return cls(q.device.type, q.dtype, layer.fmt, layer.page_size, q.shape[1], layer.num_kv_heads,
-                   layer.head_dim, 0, deterministic)
+                   layer.head_dim, 0, deterministic, fits)
 
     @property
     def linear(self) -> str:
@@ -133,10 +138,13 @@ def _heads_fit(key: PlanKey) -> bool:
 
 class TorchKernels:
     name = "torch"
+    device = "cpu"               # where `describe` resolves a plan when not told
 
     def plan(self, key: PlanKey) -> KernelPlan:
-        """The plan of this backend for `key`, resolved once per key (backends are immutable)."""
-        return _cached_plan(self, key)
+        """The plan of this backend for `key`: resolved when a cache is made (PagedCache keeps it for
+        its life) and for the manifest, each time from the same facts (the key, the libraries built,
+        EVALRUN_* switches)."""
+        return self._resolve(key)
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
         return KernelPlan(self.name, write_kv_torch, copy_page_prefix_torch, _attention(), _rope_write(write_kv_torch),
@@ -154,14 +162,10 @@ class TorchKernels:
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.plan(PlanKey.for_layer(q, layer)).attention(q, layer, meta, scale, k, v)
 
-    def describe(self, fmt: KVFormat, dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict[str, str]:
+    def describe(self, fmt: KVFormat, dtype: torch.dtype = torch.float32, device: Optional[str] = None,
+                 page_size: int = 256) -> dict[str, str]:
         """The plan's names for a nominal model (8 heads of 64 over 8 KV heads) over `fmt`."""
-        return self.plan(PlanKey(device, dtype, fmt, 256, 8, 8, 64)).describe()
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_plan(backend: TorchKernels, key: PlanKey) -> KernelPlan:
-    return backend._resolve(key)
+        return self.plan(PlanKey(device or self.device, dtype, fmt, page_size, 8, 8, 64)).describe()
 
 
 class NativeCpuKernels(TorchKernels):
@@ -170,6 +174,8 @@ class NativeCpuKernels(TorchKernels):
     def _resolve(self, key: PlanKey) -> KernelPlan:
         ref = super()._resolve(key)
         fmt, f32 = key.fmt, key.dtype == torch.float32
+        if not key.standard_layout:
+            return KernelPlan(**{**ref.__dict__, "backend": self.name})
         if key.device != "cpu":
             raise ValueError(f"the native CPU kernels run on the CPU, not {key.device}")
         names = dict(ref.names)
@@ -205,10 +211,13 @@ class NativeCpuKernels(TorchKernels):
 
 class TritonKernels(TorchKernels):
     name = "triton"
+    device = "cuda"
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
         ref = super()._resolve(key)
         fmt = key.fmt
+        if not key.standard_layout:
+            return KernelPlan(**{**ref.__dict__, "backend": self.name})
         if key.device != "cuda" and not triton_attention.interpreting():
             raise ValueError(f"the Triton kernels run on CUDA (or under TRITON_INTERPRET=1), not {key.device}")
         names = dict(ref.names)
@@ -260,7 +269,7 @@ class FlashAttnKernels(TritonKernels):
         fmt = key.fmt
         return (not fmt.quantized and fmt.dtype == key.dtype and key.dtype in (torch.float16, torch.bfloat16)
                 and key.page_size % self.PAGE_MULTIPLE == 0 and key.head_dim % 8 == 0 and key.head_dim <= 256
-                and _heads_fit(key) and (key.device == "cuda" or not self._require_cuda))
+                and _heads_fit(key) and key.standard_layout and (key.device == "cuda" or not self._require_cuda))
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
         plan = super()._resolve(key)
@@ -290,10 +299,22 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+BACKENDS: dict[str, type[TorchKernels]] = {"torch": TorchKernels, "native-cpu": NativeCpuKernels,
+                                           "triton": TritonKernels, "flash-attn": FlashAttnKernels}
+
+
 def choose_kernels(device: "str | torch.device", deterministic: bool = False) -> TorchKernels:
     """The backend for a device: native CPU kernels when the C kernel builds; on CUDA flash-attn's
     attention when flash_attn imports (not in deterministic mode) over Triton kernels when triton
-    is installed; else the reference."""
+    is installed; else the reference. `EVALRUN_KERNELS=torch|native-cpu|triton|flash-attn` asks
+    for one (tests and A/B runs); ValueError where it cannot be made (its plan says where it runs)."""
+    asked = os.environ.get("EVALRUN_KERNELS", "").strip().lower()
+    if asked:
+        if asked not in BACKENDS:
+            raise ValueError(f"EVALRUN_KERNELS={asked!r} is not one of {', '.join(BACKENDS)}")
+        if asked == "native-cpu" and not paged_decode.available():
+            raise ValueError("EVALRUN_KERNELS=native-cpu: the native CPU kernels did not build here (see kernels.cpu.native)")
+        return BACKENDS[asked]()
     kind = torch.device(device).type
     if kind == "cpu" and paged_decode.available():
         return NativeCpuKernels()

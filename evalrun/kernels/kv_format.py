@@ -178,6 +178,27 @@ class LayerKV:
                                             dtype=fmt.window_dtype, device=device)
         return cls(fmt, **tensors)
 
+    def standard_layout(self) -> bool:
+        """Whether the tensors are laid out as `allocate` makes them: each the format's slot shape
+        and dtype over the same [pages, page_size], contiguous, on one device (the window store too)."""
+        try:
+            want = self.fmt.slot_shapes(self.k.shape[2], self.head_dim) if self.k.dim() == 4 else None
+        except (ValueError, IndexError):
+            return False
+        got = {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+        if want is None or any(got[n] is not None for n in got if n not in want):
+            return False
+        lead = tuple(self.k.shape[:2])
+        if any(got[n] is None or tuple(got[n].shape) != (*lead, *shape) or got[n].dtype != dt
+               for n, (shape, dt) in want.items()):
+            return False
+        if self.fmt.window and not all(t is not None and tuple(t.shape[1:]) == (self.fmt.window, *self.k.shape[2:3],
+                                                                                  self.head_dim)
+                                       and t.dtype == self.fmt.window_dtype for t in (self.wk, self.wv)):
+            return False
+        tensors = self.tensors() + self.window_tensors()
+        return len({t.device for t in tensors}) == 1 and all(t.is_contiguous() for t in tensors)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every page storage tensor; all are indexed [page, slot, ...] (the window is not)."""
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]

@@ -1,0 +1,147 @@
+"""The kernel plan (evalrun/kernels/backend.py): resolved once per cache, from the same facts as the
+run manifest's `kernels` entry, so the manifest says exactly what ran; per-call code makes no
+support check.
+
+Each backend is forced through EVALRUN_KERNELS (native CPU, the torch reference, and Triton under
+its interpreter on CPU tensors); the manifest built before the model loads names that backend and
+equals the plan of the cache the run then used, with no "else" anywhere in it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from triton_setup import INTERPRET, interpreter_scalars  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
+from evalrun.engine import Model, kernel_backends
+from evalrun.kernels import backend
+from evalrun.kernels.backend import NativeCpuKernels, PlanKey, TorchKernels, TritonKernels, choose_kernels
+from evalrun.kernels.cpu import gemm, paged_decode, paged_prefill
+from evalrun.kernels.ref import attention as ref_attention
+from evalrun.kernels.kv_format import KV_FORMATS
+from evalrun.kernels.ref.fused import rms_norm_reference
+from evalrun.run.common import model_manifest
+from evalrun.run.engine_config import EngineConfig
+
+NATIVE = paged_decode.available() and gemm.available()
+
+
+def _manifest_and_run(model_dir, dtype: str, mode: str, page_size: int = 16) -> tuple[dict, dict]:
+    """The manifest's kernels entry for these settings, and what the loaded model's cache ran."""
+    cfg = EngineConfig("cpu", dtype, mode, cache_tokens=512, page_size=page_size)
+    kernels = model_manifest(cfg, {"path": str(model_dir)}, model_dir)["kernels"]
+    model = Model.load(model_dir, dtype=dtype)
+    gen = make_generator(model, max_tokens=512, page_size=page_size, mode=mode)
+    prompts = random_prompts(3, [5, 17, 9], model.config.vocab_size, seed=1)
+    outs = run_jobs(gen, greedy_jobs(prompts, 4))
+    assert all(len(o["all_token_ids"]) == 4 for o in outs.values())
+    plan = gen.cache.kernels
+    ran = {"backend": plan.backend, "linear": model.layers[0].wqkv.kernel_name,
+           "lm_head": model.lm_head.kernel_name, **plan.describe()}
+    return kernels, ran
+
+
+def _no_else(kernels: dict) -> None:
+    assert all(isinstance(v, str) and "else" not in v and "(" not in v for v in kernels.values()), kernels
+
+
+@pytest.mark.parametrize("forced,dtype,mode,backend_name", [
+    ("native-cpu", "float32", "fp32", "native-cpu"), ("native-cpu", "bfloat16", "bf16", "native-cpu"),
+    ("native-cpu", "float32", "q8", "native-cpu"),
+    ("torch", "float32", "fp32", "torch"), ("torch", "bfloat16", "bf16", "torch"),
+    ("triton", "float32", "fp32", "triton"), ("triton", "float32", "q4", "triton")])
+def test_the_manifest_names_what_ran(tiny_kv32_dir, monkeypatch, forced, dtype, mode, backend_name):
+    if forced == "native-cpu" and not NATIVE:
+        pytest.skip("native kernels unavailable here")
+    if forced == "triton" and not INTERPRET:
+        pytest.skip("Triton on CPU tensors needs its interpreter")
+    monkeypatch.setenv("EVALRUN_KERNELS", forced)
+    kernels, ran = _manifest_and_run(tiny_kv32_dir, dtype, mode)
+    assert kernels == ran
+    assert kernels["backend"] == backend_name
+    _no_else(kernels)
+    if forced == "torch":
+        assert {kernels[op] for op in ("kv_write", "decode_attention", "norm_act", "rope_write")} == {"torch"}
+        assert kernels["prefill_attention"] == "torch-sdpa"
+    if forced == "triton":
+        assert kernels["decode_attention"] == "triton" and kernels["kv_write"] == "triton"
+        assert kernels["prefill_attention"] == ("torch-sdpa" if KV_FORMATS[mode].window else "triton")
+    if forced == "native-cpu":
+        assert kernels["decode_attention"] == "native-c"
+        assert kernels["decode_step"] == ("native-c" if (dtype, mode) == ("float32", "fp32") else "off")
+        assert kernels["norm_act"] == ("native-c" if dtype == "float32" else "torch")
+        assert kernels["head_norm"] == "native-c"                   # the head's rows are float32 in every dtype
+
+
+def test_default_choice_on_this_cpu(tiny_kv32_dir, monkeypatch):
+    """Without EVALRUN_KERNELS the CPU gets the native backend where it builds, and the manifest
+    still equals what ran."""
+    monkeypatch.delenv("EVALRUN_KERNELS", raising=False)
+    kernels, ran = _manifest_and_run(tiny_kv32_dir, "float32", "fp32")
+    assert kernels == ran and kernels["backend"] == ("native-cpu" if NATIVE else "torch")
+    _no_else(kernels)
+
+
+def test_forward_makes_no_support_check_and_no_fallback(tiny_kv32_dir, monkeypatch):
+    """The plan's ops are called as resolved: a forward never asks whether a kernel can take its
+    inputs (the native kernels' own argument guards raise; they choose nothing), never reaches a
+    torch reference in a plan that has none for the op, and memoizes nothing on the layers."""
+    if not NATIVE:
+        pytest.skip("native kernels unavailable here")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a support check ran per call")
+
+    model = Model.load(tiny_kv32_dir, dtype="float32")
+    gen = make_generator(model, max_tokens=512, page_size=16, mode="fp32")
+    assert gen.cache.kernels.names["prefill_attention"] == "native-c"
+    for module, name in ((paged_decode, "supported"), (paged_decode, "layout_supported"), (paged_prefill, "supported"),
+                         (ref_attention, "decode_torch"), (ref_attention, "gather_kv"),
+                         (backend, "rope_write_reference"), (backend, "write_kv_torch")):
+        monkeypatch.setattr(module, name, refuse)
+    prompts = random_prompts(3, [5, 17, 9], model.config.vocab_size, seed=2)
+    assert all(len(o["all_token_ids"]) == 3 for o in run_jobs(gen, greedy_jobs(prompts, 3)).values())
+    assert not any(k.startswith("_native") for layer in gen.cache.layers for k in layer.__dict__)
+
+
+def test_plan_fields_follow_the_key():
+    if not NATIVE:
+        pytest.skip("native kernels unavailable here")
+    key = PlanKey("cpu", torch.float32, KV_FORMATS["fp32"], 16, 4, 2, 32, 64)
+    plan = NativeCpuKernels().plan(key)
+    assert plan.decode_step and not plan.cuda_graphs and plan.backend == "native-cpu"
+    assert plan.rope_write_kv is not TorchKernels().plan(key).rope_write_kv
+    bf16 = NativeCpuKernels().plan(dataclasses.replace(key, dtype=torch.bfloat16, fmt=KV_FORMATS["bf16"]))
+    assert not bf16.decode_step and bf16.rms_norm is rms_norm_reference and bf16.names["rope_write"] == "torch"
+    odd = NativeCpuKernels().plan(dataclasses.replace(key, head_dim=24))    # not a multiple of 16
+    assert odd.names["prefill_attention"] == "torch-sdpa" and odd.names["decode_attention"] == "native-c"
+    assert TorchKernels().plan(key).names["decode_step"] == "off"
+
+
+def test_triton_plan_records_graph_safety():
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("Triton needs CUDA or its interpreter")
+    dev = "cuda" if not INTERPRET else "cpu"
+    key = PlanKey(dev, torch.bfloat16, KV_FORMATS["bf16"], 16, 4, 2, 32)
+    assert TritonKernels().plan(key).cuda_graphs
+    assert not TritonKernels().plan(dataclasses.replace(key, fmt=KV_FORMATS["q4"])).cuda_graphs   # a window
+
+
+def test_forced_backend_that_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setenv("EVALRUN_KERNELS", "cuda-magic")
+    with pytest.raises(ValueError, match="EVALRUN_KERNELS"):
+        choose_kernels("cpu")
+    monkeypatch.setenv("EVALRUN_KERNELS", "torch")
+    assert type(choose_kernels("cuda")) is TorchKernels
+    assert backend.BACKENDS["triton"] is TritonKernels
+
+
+def test_kernel_backends_without_a_config_is_the_nominal_head():
+    names = kernel_backends("cpu", "float32", "fp32")
+    _no_else(names)
+    assert names["linear"] in ("native-gemm", "onednn-prepacked", "torch") and "decode_attention" in names
+    assert os.environ.get("EVALRUN_KERNELS") is None
