@@ -1,4 +1,4 @@
-"""Prefill attention alone: the native paged kernel (evalrun/kernels/csrc/paged_prefill.c) against the torch
+"""Prefill attention alone: the native paged kernel (evalrun/kernels/cpu/csrc/paged_prefill.c) against the torch
 reference it replaces (each sequence's context gathered from the pages, then SDPA), at prefill
 shapes of SmolLM2 (9 query heads on 3 KV heads of 64, pages of 256, float32 pages), per layer call.
 

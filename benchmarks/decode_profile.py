@@ -3,7 +3,7 @@ linears' GFLOP/s against this machine's sgemm roof measured in the same run.
 
 R distinct 128-token windows of the HumanEval prompts are prefilled, then --steps pure decode
 steps are timed (after a few warm-up steps). Inside the native decode step
-(evalrun/kernels/decode_step.py) the C code times each stage summed over the layers; the LM head,
+(evalrun/kernels/cpu/decode_step.py) the C code times each stage summed over the layers; the LM head,
 sampling and the rest of the step (metadata, embedding, Python) are timed around it here.
 Steps that do not take the native path (another cache mode or dtype, EVALRUN_DECODE_STEP=0)
 are reported as one "layers (per-op path)" figure.

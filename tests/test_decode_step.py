@@ -1,4 +1,4 @@
-"""The native decode step (evalrun/kernels/decode_step.py: all layers of a pure-decode batch in one C call)
+"""The native decode step (evalrun/kernels/cpu/decode_step.py: all layers of a pure-decode batch in one C call)
 against the per-op path it replaces: bitwise the same logits and tokens, and the cases where it
 must stay out of the way."""
 from __future__ import annotations

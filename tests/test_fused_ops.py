@@ -1,4 +1,4 @@
-"""Native fused RMSNorm and SiLU*up (evalrun/kernels/fused.py) against their torch references, and
+"""Native fused RMSNorm and SiLU*up (evalrun/kernels/cpu/fused.py) against their torch references, and
 bitwise batch invariance (a row's result alone equals the same row among many)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from evalrun.kernels.kv_format import KV_FORMATS
 
 def _need_native() -> None:
     if not fused.available():
-        pytest.skip("no C compiler: the native fused ops are off (evalrun/kernels/native.py)")
+        pytest.skip("no C compiler: the native fused ops are off (evalrun/kernels/cpu/native.py)")
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 13), (32, 576), (300, 576), (2048, 64), (3, 8)])

@@ -1,4 +1,4 @@
-"""The native float32 GEMM (evalrun/kernels/csrc/gemm.c) against F.linear in float64, and its batch
+"""The native float32 GEMM (evalrun/kernels/cpu/csrc/gemm.c) against F.linear in float64, and its batch
 invariance: a row's output is bitwise the same whatever rows share the call, however many
 threads run it, and in a forked child."""
 from __future__ import annotations

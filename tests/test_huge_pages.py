@@ -1,4 +1,4 @@
-"""evalrun/kernels/huge_pages.py: large CPU buffers start on a 2 MiB boundary and (Linux) are backed by
+"""evalrun/kernels/cpu/huge_pages.py: large CPU buffers start on a 2 MiB boundary and (Linux) are backed by
 huge pages when the kernel's THP mode allows; small ones, other devices and EVALRUN_HUGE_PAGES=0
 are plain torch.empty. Only the backing changes: shapes, dtypes and what is written read back."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quantized KV cache formats (evalrun/kernels/kv_quant.py, evalrun/kernels/kv_format.py, evalrun/kernels/cache_ops.py)
+"""Quantized KV cache formats (evalrun/kernels/ref/kv_quant.py, evalrun/kernels/kv_format.py, evalrun/kernels/ref/cache_ops.py)
 against independent references: the error bound the scheme promises, a Hadamard matrix
 built from its closed form, a 4-bit layout packed with plain integers, and attention over
 the dequantized cache computed naively in float64."""
@@ -344,7 +344,7 @@ def test_values_beyond_the_float16_scale_range_stay_finite(bits):
     assert torch.isfinite(dequantize(codes, scales, bits, G)).all()
 
 
-# --- the native versions (evalrun/kernels/csrc/kv_quant.c) against the torch references -----------
+# --- the native versions (evalrun/kernels/cpu/csrc/kv_quant.c) against the torch references -----------
 
 
 def _need_native_quant(monkeypatch):

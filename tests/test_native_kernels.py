@@ -1,4 +1,4 @@
-"""Native CPU kernels (kernels/csrc, built by kernels.native) against their torch reference,
+"""Native CPU kernels (kernels/cpu/csrc, built by kernels.native) against their torch reference,
 for every KV cache format."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The native paged prefill attention kernel (evalrun/kernels/csrc/paged_prefill.c) against the torch
+"""The native paged prefill attention kernel (evalrun/kernels/cpu/csrc/paged_prefill.c) against the torch
 reference (SDPA on the gathered context), for every format without a recent-token window, and its
 invariance: a token's output is bitwise the same however its sequence is chunked or batched."""
 from __future__ import annotations

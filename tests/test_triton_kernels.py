@@ -1,5 +1,5 @@
-"""Triton kernels (kernels/triton_*.py) against their torch reference (evalrun/kernels/attention.py,
-evalrun/kernels/cache_ops.py), for every KV cache format they claim, over page sizes, GQA ratios,
+"""Triton kernels (kernels/cuda/triton_*.py) against their torch reference (evalrun/kernels/ref/attention.py,
+evalrun/kernels/ref/cache_ops.py), for every KV cache format they claim, over page sizes, GQA ratios,
 ragged lengths and NaN-poisoned unused slots.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1 is

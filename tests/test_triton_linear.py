@@ -1,4 +1,4 @@
-"""The batch-invariant Triton linear and RMSNorm (evalrun/kernels/triton_linear.py, the CUDA half of
+"""The batch-invariant Triton linear and RMSNorm (evalrun/kernels/cuda/triton_linear.py, the CUDA half of
 deterministic mode) against F.linear / F.rms_norm, and a row alone against the same row in
 calls of 8 and 64 rows: bitwise equal. Without a GPU under Triton's interpreter (tests/triton_setup.py);
 with one, compiled and marked `cuda`."""

@@ -171,7 +171,7 @@ class PagedCache:
         first write during a run; returns the seconds it took. The pages are left unwritten at
         construction (LayerKV.allocate): lazily only the memory a run uses is ever mapped, which
         suits short runs; a first write costs a page fault, ~0.5 GB/s on 2 MiB pages measured on
-        one machine (evalrun/kernels/huge_pages.py), ~1 s of a 4,096-token decode benchmark. Peers that
+        one machine (evalrun/kernels/cpu/huge_pages.py), ~1 s of a 4,096-token decode benchmark. Peers that
         zero their KV cache at start (vLLM) pay this before their timings; the benchmarks call it
         before theirs. Contents are never read before a token is written, so nothing changes."""
         start = time.perf_counter()

@@ -103,7 +103,8 @@ class Model:
              cuda_graphs: bool = True) -> "Model":
         """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
         dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (evalrun/engine/auto.py).
-        kernels: the cache-op backend (default: chosen for the device, kernels.backend).
+        kernels: the backend that resolves each cache's KernelPlan (default: chosen for the device,
+        kernels/backend.py choose_kernels).
         deterministic: batch-invariant linears in every dtype, so a row's logits do not depend on
         what else is in its batch (ValueError where they cannot run: kernels.linear).
         cuda_graphs: on CUDA with the Triton kernels, pure decode steps replay CUDA graphs

@@ -161,7 +161,7 @@ class LayerKV:
                  head_dim: int, device: torch.device, window_slots: int = 0) -> "LayerKV":
         """Every storage tensor, its last page (the null page) zeros so padded reads see zero K/V;
         with a window, `window_slots` job blocks of it. The real pages are left unwritten, on 2 MiB
-        pages where the OS allows (evalrun/kernels/huge_pages.py): no kernel reads a slot before its token
+        pages where the OS allows (evalrun/kernels/cpu/huge_pages.py): no kernel reads a slot before its token
         is written (the tests poison them with NaN to check), and zero-filling a 65536-token
         float32 cache of SmolLM2 took ~7 s of every process start (a Ray replica's included)."""
         tensors = {name: huge_pages.empty((num_pages_with_null, page_size, *shape), dtype, device)

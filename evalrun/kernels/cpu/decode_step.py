@@ -1,4 +1,4 @@
-"""All decoder layers of a decode step in one native call (evalrun/kernels/csrc/decode_step.c).
+"""All decoder layers of a decode step in one native call (evalrun/kernels/cpu/csrc/decode_step.c).
 
 A decode step (one new token per sequence) otherwise makes ~10 Python calls per layer into
 the native kernels: norm, QKV, rope + page write, attention, output projection, norm, gate/up,

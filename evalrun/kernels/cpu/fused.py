@@ -5,7 +5,7 @@ projection's output.
     gate_up  [T, 2I]   [gate | up] per row    silu_mul(gate_up)   -> [T, I]
 
 `rms_norm_reference` / `silu_mul_reference` (kernels/ref/fused.py) are the torch references; the native
-versions (evalrun/kernels/csrc/fused_ops.c) make one pass over each row instead of several torch ops
+versions (evalrun/kernels/cpu/csrc/fused_ops.c) make one pass over each row instead of several torch ops
 (~130 us of torch dispatch per RMSNorm of 32 x 576 on the 2-core development machine). Each
 row is computed alone in a fixed order, so a row's result is bitwise the same whatever else
 is in the batch; the native path is used for every row count (a dispatch on the batch size

@@ -1,4 +1,4 @@
-"""The native float32 GEMM for linears (evalrun/kernels/csrc/gemm.c), through ctypes.
+"""The native float32 GEMM for linears (evalrun/kernels/cpu/csrc/gemm.c), through ctypes.
 
     pack(weight [N, K])                      -> panels: W in 16-column panels, k-major, zero-padded
     gemm(x [M, K], panels, N, bias, residual) -> residual + (x @ W^T + bias)   [M, N]

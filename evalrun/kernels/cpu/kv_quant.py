@@ -1,4 +1,4 @@
-"""Native CPU quantize-on-write and Hadamard rotation (evalrun/kernels/csrc/kv_quant.c): the same
+"""Native CPU quantize-on-write and Hadamard rotation (evalrun/kernels/cpu/csrc/kv_quant.c): the same
 signatures and, bit for bit, the same results as the torch references `kv_quant.rotate`
 and `cache_ops.write_kv_torch` (tests compare them). Each is one C pass over the new rows
 instead of ~20 torch ops per layer, which at decode time is most of what a quantized cache

@@ -1,4 +1,4 @@
-"""Native CPU kernels: small C files in kernels/csrc/, compiled on first use and loaded
+"""Native CPU kernels: small C files in kernels/cpu/csrc/, compiled on first use and loaded
 with ctypes (no torch headers, so a build takes about a second).
 
 Built with the system C compiler (`$CC`, else `cc`/`gcc`) for this CPU (-march=native),

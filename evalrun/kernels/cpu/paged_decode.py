@@ -1,4 +1,4 @@
-"""Native CPU paged decode attention (evalrun/kernels/csrc/paged_decode.c), for every KVFormat.
+"""Native CPU paged decode attention (evalrun/kernels/cpu/csrc/paged_decode.c), for every KVFormat.
 
     q           [B, Hq, D]   one query per sequence, already in the attention domain
                              (rotated for rotating formats: see kernels.attention.attend)

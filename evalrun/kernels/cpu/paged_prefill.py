@@ -1,4 +1,4 @@
-"""Native CPU paged prefill attention (evalrun/kernels/csrc/paged_prefill.c), for every KVFormat without a
+"""Native CPU paged prefill attention (evalrun/kernels/cpu/csrc/paged_prefill.c), for every KVFormat without a
 recent-token window.
 
     q           [T, Hq, D]   the query rows of the prefill sequences, packed in order, already in
@@ -8,7 +8,7 @@ recent-token window.
     page_table  [B, max_pages] int32, seq_lens [B] int32 (the new tokens included), q_lens [B]:
                              sequence b's last q_lens[b] positions are its queries, causal
 Same contract as the torch reference (kernels.attention.attend: SDPA on the gathered context).
-Each query row's arithmetic is its own (evalrun/kernels/csrc/paged_prefill.c), so a token's output is
+Each query row's arithmetic is its own (evalrun/kernels/cpu/csrc/paged_prefill.c), so a token's output is
 bitwise the same however its sequence is chunked and whatever else is in the batch.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Triton paged attention (the CUDA path), same contract as the torch reference in
-evalrun/kernels/attention.py: `decode_torch` for the decode group, `attend`'s SDPA loop for prefill.
+evalrun/kernels/ref/attention.py: `decode_torch` for the decode group, `attend`'s SDPA loop for prefill.
 
 Layouts (evalrun/kernels/attention.py, evalrun/kernels/kv_format.py):
     q            [T, Hq, D]        packed queries, model dtype, last dim contiguous; the decode

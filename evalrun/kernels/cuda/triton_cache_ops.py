@@ -10,7 +10,7 @@ One program per (token, block of Hkv * D values): the row is cast to the storage
 (rounded to nearest even, also under the interpreter) and stored at its slot. A slot of -1 (the
 padding rows of a CUDA-graph decode batch, evalrun/engine/cuda_graphs.py) stores nothing, in both kernels.
 
-Quantized formats (q8 / q6 / q4, evalrun/kernels/kv_quant.py's `quantize`) are quantized on write by
+Quantized formats (q8 / q6 / q4, evalrun/kernels/ref/kv_quant.py's `quantize`) are quantized on write by
 `write_kv_quant_triton`, one program per (token, KV head): the head's D values as [D/G, G]
 groups, rotated by the same butterfly as the reference (log2 G stages of a + b, a - b, then
 times fp32(G^-0.5)), the group's scale max|x| / qmax (IEEE division) rounded to float16 and
@@ -150,7 +150,7 @@ def quant_supported(k: torch.Tensor, v: torch.Tensor, layer: LayerKV) -> bool:
 
 
 def write_kv_quant_triton(k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
-    """Quantize new K/V rows into their slots' codes and scales (evalrun/kernels/kv_quant.py's quantize,
+    """Quantize new K/V rows into their slots' codes and scales (evalrun/kernels/ref/kv_quant.py's quantize,
     bit for bit)."""
     t, hkv, d = _rows_to_write("quantized K/V write", quant_supported(k, v, layer), k, layer)
     if t == 0:

@@ -12,11 +12,11 @@ of rows it shares a call with; here each output is the same sequence of fixed-wi
 over k whatever the call (rows beyond M are masked to zero and never mix into a real row), so
 a row's result is bitwise the same alone or in any batch. 16-bit inputs multiply on the tensor
 cores with float32 accumulation; float32 inputs use the "ieee" dot (no TF32). Its reference is
-F.linear (evalrun/kernels/linear.py: linear_reference), to the dtype's rounding.
+F.linear (evalrun/kernels/ref/linear.py: linear_reference), to the dtype's rounding.
 
 `rms_norm_triton`: one program per row, the row's sum of squares in float32 over one block of
 the whole row (a fixed reduction tree for a given width), then x * rsqrt(mean + eps) * w. Its
-reference is F.rms_norm (evalrun/kernels/fused.py: rms_norm_reference).
+reference is F.rms_norm (evalrun/kernels/ref/fused.py: rms_norm_reference).
 
 Under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) tl.dot is numpy's matmul, which
 misreads bf16 and, through OpenBLAS's 6-row micro-kernels, rounds a row differently by its position

@@ -17,7 +17,7 @@
  * that path's; only the ~10 Python calls per layer (~3 ms per step at 30 layers) are gone.
  * One exception, with the same bits: where gemm_silu_supported (3+ rows, the AVX2 tiles), the
  * SiLU runs in the gate/up GEMM's epilogue (gemm_silu_f32; its time is profiled as gate/up).
- * evalrun/kernels/decode_step.py builds the layer table and decides when this path applies.
+ * evalrun/kernels/cpu/decode_step.py builds the layer table and decides when this path applies.
  *
  *   DecodeLayer   per layer: norm weights [H], packed weights (gemm_pack_f32), qkv bias [Q] or
  *                 NULL, the layer's K and V pages [P + 1, S, Hkv, D] float32
@@ -42,8 +42,8 @@ typedef struct {
     float *k_pages, *v_pages;
 } DecodeLayer;
 
-/* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/fused.py,
- * evalrun/kernels/paged_decode.py): results never depend on them, only the time does. */
+/* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
+ * evalrun/kernels/cpu/paged_decode.py): results never depend on them, only the time does. */
 typedef struct {
     int gemm, norm, act, attn;
 } DecodeThreads;

@@ -7,7 +7,7 @@
  *
  * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
  * never depends on how many rows share the call (batch invariance). Rows are split over up to
- * `nthreads` threads of the shared pool (pool.h). The torch references are evalrun/kernels/fused.py's
+ * `nthreads` threads of the shared pool (pool.h). The torch references are evalrun/kernels/cpu/fused.py's
  * rms_norm_reference, silu_mul_reference and argmax_reference.
  */
 #include <math.h>

@@ -1,5 +1,5 @@
 /* Reading one head row of a paged K/V cache slot as float32, for every storage kind (shared by
- * the native attention kernels; evalrun/kernels/native.py hashes this header with each source).
+ * the native attention kernels; evalrun/kernels/cpu/native.py hashes this header with each source).
  *
  *   kinds: 0 float32, 1 bfloat16, 2 float16 (W = Hkv * D values per slot), 3 8-bit codes (value
  *   c - 128), 4 4-bit codes (W / 2 bytes per slot: byte j of a group of G holds element j in the

@@ -1,5 +1,5 @@
 /* Quantized KV cache writes and the Walsh-Hadamard rotation on the CPU: the native versions
- * of evalrun/kernels/kv_quant.py (`rotate`, `quantize`) and evalrun/kernels/cache_ops.py (`write_kv_torch`
+ * of evalrun/kernels/ref/kv_quant.py (`rotate`, `quantize`) and evalrun/kernels/ref/cache_ops.py (`write_kv_torch`
  * for code formats). Every float operation is the reference's, in the same order (butterfly
  * a + b / a - b, one multiply by G^-1/2, amax / qmax, round half to even, float16 round to
  * nearest even then one ulp up when short), so the codes equal the reference's bit for bit

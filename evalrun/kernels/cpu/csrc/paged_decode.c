@@ -42,7 +42,7 @@
 #include <immintrin.h>
 #endif
 
-/* Floats of scratch per thread; evalrun/kernels/paged_decode.py allocates nthreads times this. */
+/* Floats of scratch per thread; evalrun/kernels/cpu/paged_decode.py allocates nthreads times this. */
 #define SCRATCH(Hq, Hkv, D, lmax) ((int64_t)(Hq) * (lmax) + (int64_t)(Hq) * (D) + 64 * (int64_t)(D) + (Hq))
 
 typedef struct {
@@ -401,7 +401,7 @@ static void pool_task(void *ctx, int tid, int nth) {
 }
 
 /* Returns 0 on success, 1 on shapes it cannot take. The caller checks page ids, lengths
- * and window rows against the cache, the table and the store (evalrun/kernels/paged_decode.py). */
+ * and window rows against the cache, the table and the store (evalrun/kernels/cpu/paged_decode.py). */
 int paged_decode(const float *q, const void *k_cache, const void *v_cache,
                  const uint16_t *k_scale, const uint16_t *v_scale, int k_kind, int v_kind, int G,
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,

@@ -345,7 +345,7 @@ static void pool_task(void *ctx, int tid, int nth) {
 #endif
 
 /* Returns 0 on success, 1 on shapes it cannot take (D not a multiple of the vector width). The caller checks page ids and lengths against the cache
- * and the table, q_start / q_len against q, and scratch's size (evalrun/kernels/paged_prefill.py). */
+ * and the table, q_start / q_len against q, and scratch's size (evalrun/kernels/cpu/paged_prefill.py). */
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
                   const uint16_t *v_scale, int k_kind, int v_kind, int G, const int32_t *page_table, int max_pages,
                   const int32_t *seq_lens, const int32_t *q_start, const int32_t *q_len, float *out, int B, int Hq,

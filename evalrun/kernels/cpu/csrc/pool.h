@@ -1,5 +1,5 @@
-/* The persistent thread pool every native kernel library shares (evalrun/kernels/csrc/pool.c, built
- * as its own library and loaded first with RTLD_GLOBAL by evalrun/kernels/native.py, so all kernels
+/* The persistent thread pool every native kernel library shares (evalrun/kernels/cpu/csrc/pool.c, built
+ * as its own library and loaded first with RTLD_GLOBAL by evalrun/kernels/cpu/native.py, so all kernels
  * use one set of worker threads).
  *
  *   evalrun_pool_run(fn, ctx, nth)   runs fn(ctx, tid, nth) for tid = 0..nth-1 and returns

@@ -1,4 +1,4 @@
-/* Vector math shared by the native kernels (included by the kernels/csrc C files; evalrun/kernels/native.py
+/* Vector math shared by the native kernels (included by the kernels/cpu/csrc C files; evalrun/kernels/cpu/native.py
  * hashes this header with each source, so a change here rebuilds them). */
 #ifndef EVALRUN_SIMD_MATH_H
 #define EVALRUN_SIMD_MATH_H
