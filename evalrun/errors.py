@@ -6,6 +6,12 @@ import json
 import os
 from typing import Optional
 
+from evalrun.engine.config import ConfigError
+from evalrun.engine.tokenizer import TokenizerError
+from evalrun.engine.weights import WeightsError
+from evalrun.results import NotARunDirError, ResumeMismatchError, RunDirBusyError
+from evalrun.tasks.base import TaskDataError, TaskSettingError
+
 
 class BadInput(Exception):
     """A problem with what the user passed; the message says what and where."""
@@ -30,14 +36,8 @@ _WRITE_HINTS = {
 
 
 def as_bad_input(exc: BaseException) -> Optional[BadInput]:
-    from evalrun.engine.config import ConfigError
-    from evalrun.engine.tokenizer import TokenizerError
-    from evalrun.engine.weights import WeightsError
-    from evalrun.tasks.base import TaskDataError
-    from evalrun.results import NotARunDirError, ResumeMismatchError, RunDirBusyError
-
     user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TokenizerError, TaskDataError,
-                   ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)
+                   TaskSettingError, ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)
     if isinstance(exc, user_errors):
         return BadInput(str(exc))
     if isinstance(exc, OSError) and exc.errno in _WRITE_HINTS and exc.filename:    # a file the user can act on

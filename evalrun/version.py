@@ -1,15 +1,14 @@
 """The version of this evalrun, and the git commit of the checkout it runs from (if any).
 
 A leaf module (standard library only) that any layer may import: `evalrun --version` prints
-version_line(), run manifests record git_info().
+version_line() (evalrun/commands/cli.py), run manifests record git_info().
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import subprocess
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from evalrun import __version__
 
@@ -46,16 +45,3 @@ def version_line() -> str:
         return f"evalrun {__version__}"
     dirty = " dirty" if git["dirty"] else ""
     return f"evalrun {__version__} (git {git['sha'][:12]}{dirty}, {source_checkout()})"
-
-
-class VersionAction(argparse.Action):
-    """argparse's "version" action, but the line (a git call) is made only when asked for."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help=kwargs.get("help", "print the version (and the git commit of a checkout) and exit"))
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: Optional[str] = None) -> None:
-        print(version_line())                       # stdout, as argparse's own version action
-        parser.exit()

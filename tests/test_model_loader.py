@@ -54,8 +54,8 @@ def test_the_draft_model_follows_eager(monkeypatch, tiny_model_dir):
         return Recorded()
 
     monkeypatch.setattr(engine.Model, "load", staticmethod(load))
-    monkeypatch.setattr(engine, "PagedCache", Recorded)
-    monkeypatch.setattr(engine, "DynamicGenerator", Recorded)
+    monkeypatch.setattr(common, "PagedCache", Recorded)
+    monkeypatch.setattr(common, "DynamicGenerator", Recorded)
     for eager in (True, False):
         calls.clear()
         cfg = _cfg(device="cuda", eager=eager, draft_model=str(tiny_model_dir))

@@ -13,25 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from typing import TYPE_CHECKING
-
 from evalrun.errors import BadInput
-
-if TYPE_CHECKING:                        # the parsers are built without pandas; the commands import it
-    from evalrun.results.compare import Comparison, GroupResult
-    from evalrun.results.run_reader import RunData
-    from evalrun.tasks.registry import TaskSpec
+from evalrun.results.compare import OVERALL, Comparison, GroupResult, compare_runs, run_labels
+from evalrun.results.compare_format import render
+from evalrun.results.errors import CompareError, RunReadError
+from evalrun.results.run_reader import RunData, load_finished_run
+from evalrun.tasks.registry import task_spec
+from evalrun.tasks.spec import TaskSpec
 
 EXIT_REGRESSION = 1
-FORMATS = ("table", "markdown", "csv", "json", "html")      # results.compare_format.FORMATS
-OVERALL = "overall"                                           # results.compare.OVERALL
 
 
-def load_runs(paths: Sequence[str], allow_different_data: bool = False) -> "tuple[list[RunData], TaskSpec]":
+def load_runs(paths: Sequence[str], allow_different_data: bool = False) -> tuple[list[RunData], TaskSpec]:
     """Finished runs of one task, or BadInput naming the run and the problem."""
-    from evalrun.results.errors import RunReadError
-    from evalrun.results.run_reader import load_finished_run
-    from evalrun.tasks.registry import task_spec
     try:
         runs = [load_finished_run(p) for p in paths]
     except RunReadError as exc:
@@ -54,7 +48,7 @@ def load_runs(paths: Sequence[str], allow_different_data: bool = False) -> "tupl
     return runs, specs[0]
 
 
-def _check_same_data(runs: "list[RunData]") -> None:
+def _check_same_data(runs: list[RunData]) -> None:
     """Rows are matched by key (MMLU: subject and position), so runs of other data would pair
     different questions: refuse unless the user says the data differ on purpose."""
     prints = {str(r.path): r.manifest.get("identity", {}).get("data_fingerprint") for r in runs}
@@ -68,60 +62,12 @@ def _check_same_data(runs: "list[RunData]") -> None:
 def compare_dirs(paths: Sequence[str], baseline: int = 0, by: Optional[str] = None,
                  labels: Optional[Sequence[str]] = None, level: float = 0.95, n_boot: int = 10000,
                  seed: int = 0, selection: Optional[Sequence[tuple]] = None,
-                 allow_different_data: bool = False) -> "Comparison":
-    from evalrun.results.compare import compare_runs
-    from evalrun.results.errors import CompareError
+                 allow_different_data: bool = False) -> Comparison:
     runs, spec = load_runs(paths, allow_different_data)
     try:
         return compare_runs(runs, spec, baseline, by or spec.default_by, labels, level, n_boot, seed, selection)
     except CompareError as exc:
         raise BadInput(str(exc)) from None
-
-
-def add_compare_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="compare finished runs question by question, with paired statistics",
-                       description="Align runs of one task by question and report, per group and overall, each "
-                                   "run's metric with its standard error and, against the baseline, the paired "
-                                   "delta with its confidence interval, the exact McNemar p-value (paired "
-                                   "bootstrap for HumanEval with several samples) and the questions that flipped "
-                                   "each way. Questions not in every run are counted and left out.")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories of one task")
-    p.add_argument("--baseline", metavar="RUN_DIR",
-                   help="the run the others are compared with (default: the first RUN_DIR; added when not listed)")
-    p.add_argument("--by", help="groups: subject, category (MMLU) or none (default: category for MMLU, "
-                                "none for HumanEval)")
-    p.add_argument("--format", default="table", choices=FORMATS,
-                   help="table, markdown, csv, json, or html (one self-contained file) (default: table)")
-    p.add_argument("--output", metavar="FILE", help="write there instead of standard output (default: stdout)")
-    _stats_args(p)
-
-
-def add_regress_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("regress", help="nightly gate: exit 1 when the candidate's metric dropped significantly",
-                       description="Exit 1 only when the candidate's overall metric is at least --max-drop points "
-                                   "below the baseline's AND the paired test finds the drop significant at "
-                                   "--alpha; else 0; 2 on bad input. Every group's change is printed with "
-                                   "Holm-adjusted p-values (reported, not gating).")
-    p.add_argument("--baseline", required=True, metavar="RUN",
-                   help="last known good run directory (required, no default)")
-    p.add_argument("--candidate", required=True, metavar="RUN", help="run directory to check (required, no default)")
-    p.add_argument("--max-drop", type=float, default=1.0,
-                   help="points (percent of questions) the overall metric may drop before it can fail (default: 1.0)")
-    p.add_argument("--alpha", type=float, default=0.05, help="significance level of the drop (default: 0.05)")
-    p.add_argument("--by", help="groups to print: subject, category (MMLU) or none (default: subject for MMLU, "
-                                "none for HumanEval)")
-    _stats_args(p, "1 - alpha")
-
-
-def _stats_args(p: argparse.ArgumentParser, level_help: str = "0.95") -> None:
-    p.add_argument("--level", type=float, default=None,
-                   help=f"confidence level of the intervals (default: {level_help})")
-    p.add_argument("--allow-different-data", action="store_true",
-                   help="compare runs whose data fingerprints differ (default: refuse: the same key may be "
-                        "another question)")
-    p.add_argument("--n-boot", type=int, default=10000,
-                   help="bootstrap resamples, for HumanEval with several samples per problem (default: 10000)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
 
 
 def _check_stats_args(args: argparse.Namespace, default_level: float = 0.95) -> None:
@@ -134,8 +80,6 @@ def _check_stats_args(args: argparse.Namespace, default_level: float = 0.95) -> 
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from evalrun.results.compare import run_labels
-    from evalrun.results.compare_format import render
     _check_stats_args(args)
     paths = list(args.run_dirs)
     baseline = 0
@@ -163,13 +107,13 @@ def run_compare(args: argparse.Namespace) -> int:
 @dataclass(frozen=True)
 class GateResult:
     """The regress verdict on one baseline/candidate pair."""
-    overall: "GroupResult"
+    overall: GroupResult
     drop_points: float                      # baseline minus candidate, in points (positive: worse)
     failed: bool
-    comparison: "Comparison"
+    comparison: Comparison
 
 
-def gate(comparison: "Comparison", max_drop: float, alpha: float) -> GateResult:
+def gate(comparison: Comparison, max_drop: float, alpha: float) -> GateResult:
     cand = [h.label for h in comparison.runs if h.label != comparison.baseline][0]
     overall = comparison.result(OVERALL, cand)
     assert overall.delta is not None and overall.p_value is not None
@@ -188,10 +132,8 @@ def check_gate_args(max_drop: float, alpha: float) -> None:
 
 
 def regress_comparison(base_dir: str, cand_dir: str, by: Optional[str] = None, level: float = 0.95,
-                       n_boot: int = 10000, seed: int = 0, allow_different_data: bool = False) -> "Comparison":
+                       n_boot: int = 10000, seed: int = 0, allow_different_data: bool = False) -> Comparison:
     """Candidate against baseline, grouped by the task's finest grouping unless `by` says otherwise."""
-    from evalrun.results.compare import compare_runs
-    from evalrun.results.errors import CompareError
     runs, spec = load_runs([base_dir, cand_dir], allow_different_data)
     try:
         return compare_runs(runs, spec, 0, by or next(iter(spec.groupings), "none"), ["baseline", "candidate"],

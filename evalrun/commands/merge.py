@@ -19,12 +19,19 @@ import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Optional, Sequence
+
+import pyarrow as pa
 
 from evalrun.errors import BadInput
-
-if TYPE_CHECKING:                        # the parsers are built without torch or pyarrow; the command imports them
-    import pyarrow as pa
+from evalrun.results import RunStore, environment_info, read_prompts, write_prompts, write_summary
+from evalrun.results.errors import RunReadError
+from evalrun.results.manifest import utc_now
+from evalrun.results.run_reader import finished_manifest, read_finished_rows
+from evalrun.run.common import clean
+from evalrun.scale.shard import SHARD_IDENTITY_KEYS
+from evalrun.tasks.registry import runnable_specs, task_spec
+from evalrun.tasks.spec import TaskSpec
 
 # Row columns that legitimately differ from a single-process run's: the run that stored the row (a
 # shard's run_id, listed in merged_from), prompt tokens found in the cache (what else was cached
@@ -40,26 +47,12 @@ _NEVER = float("inf")                    # flush_seconds: one part per shard, fl
 _MISSING = "<missing>"
 
 
-def _summarize_mmlu(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict], dict]:
-    from evalrun.tasks.mmlu import summarize_subjects
-    return summarize_subjects(rows, groups)              # MMLU's prefix groups are its subjects, in order
-
-
-def _summarize_humaneval(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict], dict]:
-    from evalrun.tasks.humaneval import summarize_rows
-    return summarize_rows(rows)
-
-
-# task -> its summary from stored rows and the selection's prefix groups (manifest["shard"]["selection"])
-SUMMARIES: dict[str, Callable[[list[dict[str, Any]], Sequence[str]], tuple[list[dict], dict]]] = {
-    "mmlu": _summarize_mmlu, "humaneval": _summarize_humaneval}
-
 
 @dataclass(frozen=True)
 class ShardRun:
     path: Path
     manifest: dict[str, Any]
-    rows: "pa.Table"
+    rows: pa.Table
 
     @property
     def index(self) -> int:
@@ -74,28 +67,12 @@ class ShardRun:
         return f"{self.index}/{self.count}"
 
 
-def add_merge_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("merge", help="combine the run directories of `--shard K/N` runs into one run",
-                       description="Combine the N shard directories of one `evalrun mmlu|humaneval --shard K/N` "
-                                   "job array into one ordinary run directory, the same as a single-process run "
-                                   "of the whole selection: `evalrun show`, `compare` and a resume treat it so. "
-                                   "Refused (exit 2) when the shards differ in task, settings, model or data "
-                                   "(the message names the difference), when a shard is missing, given twice "
-                                   "or unfinished, or when a row is stored in two shards.")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="the shard run directories, in any order")
-    p.add_argument("--output-dir", "--output_path", dest="output_dir", required=True,
-                   help="the merged run directory (required, no default)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run in a non-empty --output-dir (default: off, refuse it)")
-
-
 def run_merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
     shards = [load_shard(Path(p)) for p in args.run_dirs]
     check_shards(shards)
     out = Path(args.output_dir)
     _check_output_dir(out, shards, args.overwrite)
     rows, overall = write_merged(out, sorted(shards, key=lambda s: s.index), argv, args.overwrite)
-    from evalrun.tasks.registry import task_spec
     metric = task_spec(shards[0].manifest["task"]).aggregate
     value = overall.get(metric)
     shown = "-" if value is None or value != value else f"{value:.4f}"
@@ -106,8 +83,6 @@ def run_merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def load_shard(path: Path) -> ShardRun:
     """A finished shard run, or BadInput naming the directory and what it is not."""
-    from evalrun.results.errors import RunReadError
-    from evalrun.results.run_reader import finished_manifest, read_finished_rows
     try:
         manifest = finished_manifest(path)
         rows = read_finished_rows(path, manifest)
@@ -116,9 +91,19 @@ def load_shard(path: Path) -> ShardRun:
     if not isinstance(manifest.get("shard"), dict):
         raise BadInput(f"{path}: not a shard run (made without --shard); merge combines the run directories of "
                        "`evalrun mmlu|humaneval --shard K/N`")
-    if manifest.get("task") not in SUMMARIES:
-        raise BadInput(f"{path}: evalrun merge knows {' and '.join(SUMMARIES)} runs, not {manifest.get('task')!r}")
+    if _spec(manifest) is None:
+        known = " and ".join(s.name for s in runnable_specs())
+        raise BadInput(f"{path}: evalrun merge knows {known} runs, not {manifest.get('task')!r}")
     return ShardRun(path, manifest, rows)
+
+
+def _spec(manifest: dict[str, Any]) -> Optional[TaskSpec]:
+    """The registry's entry of a shard run's task (a task that runs, so it has a summary)."""
+    try:
+        spec = task_spec(str(manifest.get("task")))
+    except ValueError:
+        return None
+    return spec if spec.summarize is not None and manifest.get("task") == spec.name else None
 
 
 def check_shards(shards: Sequence[ShardRun]) -> None:
@@ -195,9 +180,6 @@ def _check_output_dir(out: Path, shards: Sequence[ShardRun], overwrite: bool) ->
 
 def merged_manifest(shards: Sequence[ShardRun], argv: Sequence[str]) -> dict[str, Any]:
     """The first shard's manifest less its sessions' fields, with the whole run's identity."""
-    from evalrun.scale.shard import SHARD_IDENTITY_KEYS
-    from evalrun.results import environment_info
-    from evalrun.results.manifest import utc_now
     first = shards[0].manifest
     manifest = {k: v for k, v in first.items() if k not in SESSION_FIELDS}
     manifest["identity"] = {k: v for k, v in first["identity"].items() if k not in SHARD_IDENTITY_KEYS}
@@ -212,9 +194,6 @@ def merged_manifest(shards: Sequence[ShardRun], argv: Sequence[str]) -> dict[str
 def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
                  overwrite: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Write the merged run into `out` (shards in index order); returns its rows and overall summary."""
-    from evalrun.run.common import clean
-    from evalrun.results import RunStore, read_prompts, write_prompts, write_summary
-    from evalrun.results.manifest import utc_now
     first = shards[0].manifest
     with RunStore.open(out, merged_manifest(shards, argv), first["key_columns"], overwrite=overwrite,
                        flush_rows=sys.maxsize, flush_seconds=_NEVER) as store:
@@ -228,7 +207,9 @@ def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
                 store.add(row)
             store.flush()
         rows = store.finalize().to_dict("records")
-        per, overall = SUMMARIES[first["task"]](rows, first["shard"]["selection"]["groups"])
+        summarize = task_spec(first["task"]).summarize
+        assert summarize is not None                     # load_shard checked it
+        per, overall = summarize(rows, first["shard"]["selection"]["groups"])
         write_summary(out, clean(per), clean(overall))
         store.record_session(end_time=utc_now())
     return rows, overall

@@ -3,32 +3,47 @@ run directory (all resumable), then one combined table, and with a [baseline] th
 
     output_dir = "runs/nightly"                # root; run dirs are <output_dir>/<task>/<model>/<cache mode>/
     [defaults]                                 # CLI flags for every run (name = value, without --)
-    [[tasks]]   name = "mmlu" | "humaneval", plus that command's flags
+    [[tasks]]   name = a registered task ("mmlu", "humaneval", ...), plus that command's flags
     [[models]]  name = "...", path = "...", cache_modes = ["fp32", ...], plus flags
     [baseline]  model = "<a models.name>"  or  output_dir = "<an earlier suite's root>",
                 max_drop = 1.0, alpha = 0.05
 
 Each entry becomes the argv of the real `evalrun <task>` command and goes through the same
-parser and pipeline, so a suite run and a hand-typed run of the same settings are the same run.
+parser into the same RunConfig and pipeline, so a suite run and a hand-typed run of the same
+settings are the same run (the suite's --ray flags replace each entry's, with dataclasses.replace).
 Everything is parsed and checked before anything is computed; models load once each.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from evalrun.commands.compare import (EXIT_REGRESSION, check_gate_args, compare_dirs, format_gate, gate,
+                                      regress_comparison)
+from evalrun.commands.parser import build_parser, ray_request, run_config
+from evalrun.commands.task import one_run, prepare
 from evalrun.errors import BadInput
+from evalrun.results.atomic import atomic_write_text
+from evalrun.results.compare_format import render_csv, render_markdown, render_table
+from evalrun.run.config import RunConfig
+from evalrun.run.pipeline import ModelLoader
+from evalrun.scale.execute import execute
+from evalrun.tasks.registry import runnable_specs, task_spec
 
-TASK_COMMANDS = ("mmlu", "humaneval")
+try:
+    import tomllib
+except ModuleNotFoundError:                              # Python 3.10
+    import tomli as tomllib                              # type: ignore[no-redef]
+
 RESERVED = {"output_dir": "the suite decides each run's directory", "cache_mode": "use the model's cache_modes",
             "cache_modes": "cache_modes belongs to [[models]]", "model": "use [[models]] path",
             "overwrite": "a suite resumes its runs; delete a run directory to redo it",
-            "score_samples": "a suite generates; score a samples file with evalrun humaneval",
-            "shard": "a suite runs whole tasks; shard with evalrun mmlu/humaneval --shard and evalrun merge"}
+            "shard": "a suite runs whole tasks; shard with evalrun <task> --shard and evalrun merge"}
 SUMMARY_FILES = ("comparison.md", "comparison.csv", "comparison.json")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -59,20 +74,6 @@ class Suite:
     baseline: Optional[Baseline]
 
 
-def add_suite_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("suite", help="run the tasks x models x cache modes of a TOML file, compare, gate",
-                       description="Run every task x model x cache mode that FILE.toml lists, each into "
-                                   "<output_dir>/<task>/<model>/<cache mode>/ (resumable: a rerun computes only "
-                                   "what is missing), then print and write one combined table "
-                                   "(comparison.md/.csv/.json in output_dir); with a [baseline] section, gate "
-                                   "like `evalrun regress` (exit 1 on a significant drop). Schema: docs/compare-and-regress.md. "
-                                   "Suites run whole tasks: --shard is for evalrun mmlu/humaneval.")
-    p.add_argument("file", metavar="FILE.toml", help="the suite")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (default: show them)")
-    from evalrun.scale.ray_run import add_ray_args
-    add_ray_args(p)
-
-
 # ------------------------------------------------------------------------------ reading the file
 
 def load_suite(path: Path) -> Suite:
@@ -83,9 +84,10 @@ def load_suite(path: Path) -> Suite:
     defaults = _table(data.get("defaults", {}), f"{where} [defaults]")
     tasks = _tables(data, "tasks", where)
     models = _tables(data, "models", where)
+    commands = [s.name for s in runnable_specs()]
     for i, t in enumerate(tasks):
-        if t.get("name") not in TASK_COMMANDS:
-            raise BadInput(f"{where} tasks[{i}]: name must be one of {', '.join(TASK_COMMANDS)}, got {t.get('name')!r}")
+        if t.get("name") not in commands:
+            raise BadInput(f"{where} tasks[{i}]: name must be one of {', '.join(commands)}, got {t.get('name')!r}")
     names = [_str(m, "name", f"{where} models[{i}]", required=True) for i, m in enumerate(models)]
     for i, name in enumerate(names):
         if not _NAME.match(name):
@@ -117,10 +119,6 @@ def load_suite(path: Path) -> Suite:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        import tomllib
-    except ModuleNotFoundError:                          # Python 3.10
-        import tomli as tomllib                          # type: ignore[no-redef]
-    try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
@@ -148,7 +146,6 @@ def _baseline(raw: Any, models: list[str], where: str) -> Optional[Baseline]:
         max_drop, alpha = float(b.get("max_drop", 1.0)), float(b.get("alpha", 0.05))
     except (TypeError, ValueError):
         raise BadInput(f"{where} [baseline]: max_drop and alpha must be numbers") from None
-    from evalrun.commands.compare import check_gate_args
     check_gate_args(max_drop, alpha)
     required = b.get("require_baseline", False)
     if not isinstance(required, bool):
@@ -211,21 +208,18 @@ def _without(table: dict[str, Any], *keys: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ running it
 
 def run_suite(args: argparse.Namespace) -> int:
-    from evalrun.commands.cli import build_parser
-    from evalrun.run.pipeline import ModelLoader, execute
     suite = load_suite(Path(args.file))
     parser = build_parser(_RaisingParser)
-    from evalrun.scale.ray_run import ray_argv
-    from evalrun.commands.sweep import one_mode
+    ray = ray_request(args)
     prepared = []
     for entry in suite.entries:                   # every entry checked before anything runs
-        argv = entry.argv + (["--no-progress"] if args.no_progress else []) + ray_argv(args)
+        argv = entry.argv + (["--no-progress"] if args.no_progress else [])
         where = f"{suite.path} ({entry.task}, {entry.model}, {entry.cache_mode})"
         try:
-            ns = parser.parse_args(argv)
-            _check_entry(ns, entry)
-            one = one_mode(ns, entry.cache_mode, entry.run_dir, f"{entry.model}.{entry.cache_mode}")
-            prepared.append(_prepare(entry.task)(one, ["suite", str(suite.path), "--", *argv]))
+            cfg = run_config(parser.parse_args(argv), ["suite", str(suite.path), "--", *argv])
+            cfg = replace(cfg, ray=ray) if ray.enabled else cfg
+            _check_entry(cfg, entry)
+            prepared.append(prepare(one_run(cfg, entry.cache_mode, entry.run_dir, f"{entry.model}.{entry.cache_mode}")))
         except BadInput as exc:
             hint = (" (in a suite: delete that run directory to redo it, or give the suite another output_dir)"
                     if "holds another run" in str(exc) else "")
@@ -243,20 +237,15 @@ def run_suite(args: argparse.Namespace) -> int:
     return _gate(suite) if suite.baseline else 0
 
 
-def _check_entry(ns: argparse.Namespace, entry: SuiteEntry) -> None:
+def _check_entry(cfg: RunConfig, entry: SuiteEntry) -> None:
     """The suite decides these; a flag that reached them anyway (another spelling) is refused."""
-    if ns.output_dir != str(entry.run_dir) or ns.cache_modes != [entry.cache_mode]:
+    if cfg.output_dir != str(entry.run_dir) or cfg.cache_modes != (entry.cache_mode,):
         raise BadInput("an entry's flags may not set the output directory or the cache mode (the suite does)")
-    if ns.overwrite or getattr(ns, "score_samples", None):
-        raise BadInput("overwrite and score_samples cannot be set in a suite")
-
-
-def _prepare(task: str) -> Any:
-    if task == "mmlu":
-        from evalrun.commands.mmlu import prepare_mmlu
-        return prepare_mmlu
-    from evalrun.commands.humaneval import prepare_humaneval
-    return prepare_humaneval
+    if cfg.overwrite:
+        raise BadInput("overwrite cannot be set in a suite")
+    flag = task_spec(cfg.task).model_free(cfg.options)
+    if flag is not None:
+        raise BadInput(f"{flag.lstrip('-').replace('-', '_')} cannot be set in a suite (a suite generates)")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -272,11 +261,6 @@ class _RaisingParser(argparse.ArgumentParser):
 def _write_tables(suite: Suite, selections: list[list[tuple]]) -> None:
     """One comparison per task over all of its runs (on this suite's selection of questions),
     printed and written beside the runs."""
-    import json
-
-    from evalrun.commands.compare import compare_dirs
-    from evalrun.results.atomic import atomic_write_text
-    from evalrun.results.compare_format import render_csv, render_markdown, render_table
     markdown, csv_parts, records = [], [], []
     for task in dict.fromkeys(e.task for e in suite.entries):
         entries = [e for e in suite.entries if e.task == task]
@@ -312,7 +296,6 @@ def gate_pairs(suite: Suite) -> tuple[list[tuple[Path, Path]], list[Path]]:
 
 
 def _gate(suite: Suite) -> int:
-    from evalrun.commands.compare import EXIT_REGRESSION, format_gate, gate, regress_comparison
     b = suite.baseline
     assert b is not None
     pairs, unmatched = gate_pairs(suite)

@@ -2,30 +2,27 @@
 the manifest, JSON-clean summaries."""
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from evalrun.run.engine_config import EngineConfig
+from evalrun.demo import DEMO_MODEL_NAME, ensure_demo_model
+from evalrun.engine import DynamicGenerator, Model, PagedCache, Tokenizer
+from evalrun.engine.cache import plan_cache, resolve_format
+from evalrun.engine.config import ModelConfig
 from evalrun.errors import BadInput
-
-if TYPE_CHECKING:
-    from evalrun.scale.shard import TaskShard
-
-
-def check_flush_args(args: argparse.Namespace) -> None:
-    if args.flush_rows < 1 or args.flush_seconds <= 0:
-        raise BadInput("--flush-rows must be >= 1 and --flush-seconds > 0")
+from evalrun.results import environment_info, inspect_run, throughput
+from evalrun.results.manifest import utc_now
+from evalrun.engine.model import kernel_backends
+from evalrun.run.engine_config import EngineConfig
 
 
 def stored_run(out_dir: Path, overwrite: bool) -> Optional[dict[str, Any]]:
     """The manifest of the run in `out_dir` to resume (None: a new run, or --overwrite). Checks the
     directory either way: not a run dir, an unreadable manifest or a run in use are refused here."""
-    from evalrun.results import inspect_run
     stored = inspect_run(out_dir)
     return None if overwrite else stored
 
@@ -33,7 +30,6 @@ def stored_run(out_dir: Path, overwrite: bool) -> Optional[dict[str, Any]]:
 def model_name(model: Optional[str]) -> str:
     """The model's directory name, without converting the demo model."""
     if model is None:
-        from evalrun.demo import DEMO_MODEL_NAME
         return DEMO_MODEL_NAME
     return Path(model).name
 
@@ -41,7 +37,6 @@ def model_name(model: Optional[str]) -> str:
 def resolve_model_dir(model: Optional[str]) -> Path:
     """--model, or the embedded demo model when omitted."""
     if model is None:
-        from evalrun.demo import ensure_demo_model
         return ensure_demo_model()
     path = Path(model)
     if not path.is_dir():
@@ -52,7 +47,6 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 
 def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
-    from evalrun.engine import Model, Tokenizer
     try:
         model = Model.load(model_dir, **cfg.load_settings())
     except ValueError as exc:
@@ -61,7 +55,6 @@ def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
 
 
 def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
-    from evalrun.engine import DynamicGenerator, Model, PagedCache
     try:
         cache = PagedCache(model, max_tokens=cfg.cache_tokens, page_size=cfg.page_size, mode=cfg.cache_mode,
                            max_memory=cfg.cache_memory, max_jobs=cfg.max_batch_size, window=cfg.cache_window)
@@ -80,7 +73,6 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
 def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
     """The part of a run's resume identity that the model and engine settings decide (resolved
     values; a quantized mode's recent-token window too, which changes its answers)."""
-    from evalrun.engine.cache import resolve_format
     out = {"model_fingerprint": fp["model_fingerprint"], "tokenizer_fingerprint": fp["tokenizer_fingerprint"],
            "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode}
     if cfg.deterministic:                    # absent when off: runs from before the setting resume as off
@@ -92,16 +84,11 @@ def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
     return {**out, "cache_window": window} if window else out
 
 
-def base_manifest(args: argparse.Namespace, argv: Sequence[str], task: str, identity: dict[str, Any],
-                  shard: "Optional[TaskShard]" = None, **extra: Any) -> dict[str, Any]:
-    """A new run's manifest; a shard's identity also names the shard and its selection."""
-    from evalrun.results import environment_info
-    from evalrun.results.manifest import utc_now
-    if shard is not None:
-        identity, extra = {**identity, **shard.identity()}, {**extra, "shard": shard.record()}
+def base_manifest(seed: int, argv: Sequence[str], task: str, identity: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A new run's manifest (`identity` is compared on resume)."""
     return {
         "run_id": uuid.uuid4().hex[:12], "task": task, "identity": identity, **extra,
-        "seeds": {"base": args.seed}, "cli_args": list(argv), "environment": environment_info(),
+        "seeds": {"base": seed}, "cli_args": list(argv), "environment": environment_info(),
         "start_time": utc_now(),
     }
 
@@ -110,8 +97,6 @@ def cache_plan(cfg: EngineConfig, model_dir: Path) -> dict[str, Any]:
     """The KV cache these settings build for this model, from its config.json alone (no weights):
     checks that the mode can store the model's heads and that the memory holds a page
     (BadInput otherwise), before anything is loaded."""
-    from evalrun.engine.cache import plan_cache
-    from evalrun.engine.config import ModelConfig
     try:
         config = ModelConfig.load(model_dir)
         plan = plan_cache(config, cfg.cache_mode, cfg.page_size, cfg.cache_tokens, cfg.cache_memory,
@@ -137,13 +122,13 @@ def _physical_memory() -> Optional[int]:
 
 
 def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, Any]:
-    from evalrun.engine import kernel_backends
     return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
             "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
             "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, model_dir),
             "speculative": cfg.speculative_record(),
             "deterministic": cfg.deterministic, "cuda_graphs": cfg.cuda_graphs,
-            "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode, cfg.deterministic)}
+            "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode, cfg.deterministic,
+                                       ModelConfig.load(model_dir), cfg.page_size, cfg.cache_window)}
 
 
 def clean(obj: Any) -> Any:
@@ -159,6 +144,5 @@ def clean(obj: Any) -> Any:
 
 def generator_throughput(generator: Any, start: float) -> dict[str, Any]:
     """This session's generation figures (see results.Throughput)."""
-    from evalrun.results import throughput
     stats = generator.stats()
     return throughput(stats["prompt_tokens"], stats["prefill_tokens"], time.time() - start, stats["generated_tokens"])

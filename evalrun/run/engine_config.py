@@ -1,16 +1,41 @@
 """`EngineConfig`: the engine settings of one command, checked and resolved (no `auto` left)
-before any model is loaded. Past the CLI, commands pass this record, not the argparse namespace."""
+before any model is loaded, from the `EngineRequest` the CLI made of the engine flags."""
 from __future__ import annotations
 
-import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from evalrun.engine.auto import (AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_deterministic,
-                         choose_device, choose_dtype)
+                                 choose_device, choose_dtype, host_facts)
+from evalrun.engine.cache import CACHE_MODES
+from evalrun.kernels.linear import invariant_unavailable_reason
 from evalrun.errors import BadInput
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """The engine flags as given: `auto` and None left for engine_config() to resolve."""
+    device: str = AUTO
+    dtype: str = AUTO
+    cache_mode: str = AUTO
+    cache_tokens: Optional[int] = None
+    cache_memory: Optional[int] = None
+    cache_window: Optional[int] = None
+    deterministic: str = AUTO
+    eager: bool = False
+    page_size: int = 256
+    max_batch_size: Optional[int] = None
+    max_chunk_size: int = 2048
+    draft_model: Optional[str] = None
+    ngram_draft: bool = False
+    num_draft_tokens: int = 4
+
+    def for_mode(self, mode: str) -> "EngineRequest":
+        """This request with another cache mode; --cache-window only where the mode has a window."""
+        float_mode = mode in CACHE_MODES and not CACHE_MODES[mode].quantized
+        return replace(self, cache_mode=mode, cache_window=None if float_mode else self.cache_window)
 
 
 @dataclass(frozen=True)
@@ -80,39 +105,33 @@ class EngineConfig:
                          for n, c in self.choices.items())
 
 
-def engine_config(args: argparse.Namespace, stored: Optional[dict[str, Any]], run_dir: Path,
+def engine_config(req: EngineRequest, stored: Optional[dict[str, Any]], run_dir: Path,
                   facts: Optional[HostFacts] = None) -> EngineConfig:
     """Resolve --device/--dtype/--cache-mode. `auto` takes the stored run's values when resuming
     (so a run resumes the same on another host), else the host's best choice."""
-    from evalrun.engine.auto import host_facts
-    from evalrun.engine.cache import CACHE_MODES
-
     facts = facts or host_facts()
     kept = (stored or {}).get("identity", {})
     try:
-        device = _choose("device", args.device, kept, run_dir, lambda r: choose_device(r, facts))
-        dtype = _choose("dtype", args.dtype, kept, run_dir, lambda r: choose_dtype(r, device.value, facts))
-        cache = _choose("cache_mode", args.cache_mode, kept, run_dir,
+        device = _choose("device", req.device, kept, run_dir, lambda r: choose_device(r, facts))
+        dtype = _choose("dtype", req.dtype, kept, run_dir, lambda r: choose_dtype(r, device.value, facts))
+        cache = _choose("cache_mode", req.cache_mode, kept, run_dir,
                         lambda r: choose_cache_mode(r, dtype.value, tuple(CACHE_MODES)))
-        determ = _deterministic(getattr(args, "deterministic", AUTO), dtype.value, device.value, facts, stored, run_dir)
+        determ = _deterministic(req.deterministic, dtype.value, device.value, facts, stored, run_dir)
     except SettingError as exc:
         raise BadInput(str(exc)) from None
-    tokens, memory = args.cache_tokens, getattr(args, "cache_memory", None)
-    window = getattr(args, "cache_window", None)
+    window = req.cache_window
     if window is None and stored is not None and CACHE_MODES[cache.value].quantized:
         window = kept.get("cache_window", 0)       # resume as stored (a run from before windows: 0)
-    return EngineConfig(device.value, dtype.value, cache.value, tokens, memory, args.page_size,
-                        args.max_batch_size, args.max_chunk_size, window,
+    return EngineConfig(device.value, dtype.value, cache.value, req.cache_tokens, req.cache_memory, req.page_size,
+                        req.max_batch_size, req.max_chunk_size, window,
                         {"device": device, "dtype": dtype, "cache_mode": cache, "deterministic": determ},
-                        getattr(args, "draft_model", None), getattr(args, "ngram_draft", False),
-                        getattr(args, "num_draft_tokens", 4), determ.value == "on", getattr(args, "eager", False))
+                        req.draft_model, req.ngram_draft, req.num_draft_tokens, determ.value == "on", req.eager)
 
 
 def _deterministic(requested: str, dtype: str, device: str, facts: HostFacts, stored: Optional[dict[str, Any]],
                    run_dir: Path) -> Choice:
     """--deterministic resolved; `auto` resumes a stored run as it was made (a run from before the
     setting existed, whose identity lacks it: off)."""
-    from evalrun.kernels.linear import invariant_unavailable_reason
     unavailable = invariant_unavailable_reason(device)
     if requested == AUTO and stored is not None:
         kept = "on" if stored.get("identity", {}).get("deterministic") else "off"

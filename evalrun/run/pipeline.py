@@ -1,11 +1,12 @@
 """One run pipeline for every task: check the run directory, then (only if there is work)
 load the model, queue every remaining request, store rows as they finish, summarize.
 
-    command's prepare(args) ──► PreparedRun: TaskRun (decided without a model) + pending(run)
-    execute(prepared, loader) ──► nothing left: report the stored rows
-                              ├──► generate(run, ...): model (loaded once per ModelLoader), store, rows, summary
-                              └──► --ray: evalrun/scale/ray_run.py, rows from Ray replicas, the same store and summary
-                                   (both end in finish_session)
+    prepare(RunConfig) (evalrun/commands/task.py) ──► PreparedRun: TaskRun (decided without a model) + pending(run)
+    execute(prepared, loader) (evalrun/scale/execute.py) ──► nothing left: report_stored(...)
+        ├──► generate(run, ...): model (loaded once per ModelLoader), store, rows, summary
+        ├──► score_without_model(run, ...): a task that needs no model (humaneval --score-samples)
+        └──► --ray: evalrun/scale/ray_run.py, rows from Ray replicas, the same store and summary
+             (all end in finish_session)
 
 Sweeps (evalrun/commands/sweep.py) and suites (evalrun/commands/suite.py) prepare every run first, so a bad
 setting or a mismatched run directory is refused before anything is computed, then execute
@@ -22,19 +23,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
-from evalrun.run.common import clean, generator_throughput, load_model, make_generator
-from evalrun.run.engine_config import EngineConfig, announce
-from evalrun.run.runner import run_task
 from evalrun.results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
-                     write_summary)
+                             write_summary)
 from evalrun.results.manifest import utc_now
+from evalrun.run.common import clean, generator_throughput, load_model, make_generator
+from evalrun.run.config import RayOptions
+from evalrun.run.engine_config import EngineConfig
+from evalrun.run.runner import run_task, score_plans
 from evalrun.tasks.base import Task
-
-if TYPE_CHECKING:
-    from evalrun.scale.ray_actor import ReplicaSetup
-    from evalrun.scale.ray_run import RayOptions
+from evalrun.tasks.spec import TaskContext
 
 # report(rows of the selection, summary rows, overall, this session's throughput or None, run dir)
 Report = Callable[[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], Optional[dict], Path], None]
@@ -54,6 +53,7 @@ class TaskRun:
     progress: bool = True
     progress_desc: Optional[str] = None      # the progress bar's label (a sweep's "[2/4 q8]")
     on_nonfinite: str = "error"              # a document scored from NaN/Inf logits: stop, or flag its row
+    verb: str = "done"                       # "... already done"; "scored" for a run without a model
 
 
 @dataclass
@@ -88,13 +88,13 @@ class PreparedRun:
     command: str                             # "mmlu", "humaneval"
     run: TaskRun
     todo: Pending
-    cfg: EngineConfig
-    model_dir: Path
+    cfg: Optional[EngineConfig]              # None (and model_dir None): a task that needs no model
+    model_dir: Optional[Path]
     report: Report
     # what must be open while generating (HumanEval: the sandbox pool that scores the completions)
     context: Callable[[], ContextManager[Any]] = field(default=contextlib.nullcontext)
-    ray: "Optional[RayOptions]" = None                       # --ray: computed by Ray replicas
-    replica_setup: "Optional[ReplicaSetup]" = None           # --ray: what each replica opens (its sandbox)
+    ray: Optional[RayOptions] = None                         # --ray: computed by Ray replicas
+    replica_setup: Optional[TaskContext] = None              # --ray: what each replica opens (its sandbox)
     # --ray: a generated row's execution on this machine (HumanEval --execute-on driver), None: done on replicas
     finish_row: Optional[Callable[[dict[str, Any]], Future]] = None
 
@@ -118,23 +118,11 @@ class ModelLoader:
         return self._loaded
 
 
-def execute(prepared: PreparedRun, loader: Optional[ModelLoader] = None) -> int:
-    p = prepared
-    if p.todo.nothing_left:
-        return report_stored(p.run, p.todo, p.report)
-    announce(p.command, p.cfg)
-    with p.context():
-        if p.ray is not None:
-            from evalrun.scale.ray_run import ray_generate
-            return ray_generate(p)
-        return generate(p.run, p.todo, p.cfg, p.model_dir, p.report, loader or ModelLoader())
-
-
 def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
     """Nothing to run: say so and print the stored results of the selection. A finalized run is
     left exactly as it is; one stopped before finalizing (killed after its last flush) is
     finalized now, without a model."""
-    print(f"{len(todo.keys)} of {len(todo.keys)} {run.unit} already done in {run.out_dir}; nothing to run",
+    print(f"{len(todo.keys)} of {len(todo.keys)} {run.unit} already {run.verb} in {run.out_dir}; nothing to run",
           file=sys.stderr)
     if (run.stored or {}).get("status") == "finalized" and samples_file_intact(run.out_dir):
         rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
@@ -189,6 +177,22 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
                           sum(p.skip_reason is not None for p in plans), fits if fits < model.max_seq_len else None)
         rows, per, overall = finish_session(run, todo, store, session)
     report(rows, per, overall, session.throughput, run.out_dir)
+    return 0
+
+
+def score_without_model(run: TaskRun, todo: Pending, report: Report) -> int:
+    """A task whose documents need no model (their plans hold no requests): score each, store its row."""
+    say_resuming(run, todo)
+    with open_store(run) as store:
+        done = store.completed_keys()
+        plans = [p for p in run.task.plan(None, None) if p.doc_key not in done]
+        t0 = time.time()
+        score_plans(run.task, plans, store.add, {}, progress=run.progress, desc=run.progress_desc)
+        rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
+        per, overall = run.task.summarize(rows)
+        write_summary(run.out_dir, clean(per), clean(overall))
+        store.record_session(end_time=utc_now(), wall_seconds=time.time() - t0)
+    report(rows, per, overall, None, run.out_dir)
     return 0
 
 

@@ -103,6 +103,22 @@ def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
     return totals
 
 
+def score_plans(task: Task, plans: list[DocPlan], emit: Callable[[dict[str, Any]], None], row_base: dict[str, Any],
+                progress: bool = True, desc: Optional[str] = None) -> RunTotals:
+    """Score documents that need no model (plans without requests), emitting each row as it is done."""
+    totals = RunTotals(metric=getattr(task, "progress_metric", "correct"))
+    start = time.time()
+    with tqdm(total=len(plans), disable=not progress, unit="doc", dynamic_ncols=True, desc=desc) as bar:
+        out = _Emitter(task, emit, row_base, totals, bar)
+        for plan in plans:
+            out.scored(plan, task.score(plan, []))
+            out.harvest()
+        while out.inflight:
+            out.harvest(block=True)
+    totals.wall_time = time.time() - start
+    return totals
+
+
 def _job(r: Request, identifier: Any) -> DynamicJob:
     return DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
                       stop_conditions=list(r.stop_conditions), gen_settings=r.sampler, seed=r.seed,

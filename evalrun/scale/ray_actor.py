@@ -22,20 +22,21 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
+import torch
+
+from evalrun.run.common import load_model, make_generator
 from evalrun.run.engine_config import EngineConfig
+from evalrun.run.runner import run_task
 from evalrun.tasks.base import Answer, DocPlan, Task
+from evalrun.tasks.spec import TaskContext
 
 Put = Callable[[tuple[str, Any]], None]
 EVALRUN_TEST_FAIL = "test hook: this document fails on every replica:"
-
-
-class ReplicaSetup(Protocol):
-    """What must be open on a replica while it runs (HumanEval --execute-on replica: its sandbox);
-    travels pickled, opened after the model has loaded; yields what to report (the isolation)."""
-
-    def open(self, task: Task) -> ContextManager[dict[str, Any]]: ...
+# What must be open on a replica while it runs (HumanEval --execute-on replica: its sandbox): the task's
+# context, travelling pickled, opened after the model has loaded; it yields what to report (the isolation).
+ReplicaSetup = TaskContext
 
 
 class Worker(Protocol):
@@ -95,9 +96,6 @@ class EvalWorker:
     """The model, its generator and the task, loaded once per replica process."""
 
     def __init__(self, spec: ReplicaSpec):
-        import torch
-
-        from evalrun.run.common import load_model, make_generator
         torch.set_num_threads(max(1, spec.threads))
         self.spec = spec
         model, self.tokenizer = load_model(spec.cfg, Path(spec.model_dir))
@@ -111,7 +109,6 @@ class EvalWorker:
         return {"fits": self.fits, "max_seq_len": self.max_seq_len, "setup": self.setup_info}
 
     def run(self, doc_keys: tuple[tuple, ...], put: Put) -> dict[str, Any]:
-        from evalrun.run.runner import run_task
         task = self.spec.task.restricted(doc_keys)
         plans = list(task.plan(self.tokenizer, self.fits))
         put(("prompts", {p.info["prompt_hash"]: p.prompt for p in plans if p.prompt is not None}))

@@ -23,15 +23,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
-from evalrun.scale.dispatch import Done, Event, Failed, Lost, Ready, Rows, StartFailed
 from evalrun.errors import BadInput
+from evalrun.run.config import RayOptions
+from evalrun.scale.dispatch import Done, Event, Failed, Lost, Ready, Rows, StartFailed
 from evalrun.scale.ray_actor import Replica, ReplicaHooks
 from evalrun.scale.ray_watchdog import Watchdog, children_of
-
-if TYPE_CHECKING:
-    from evalrun.scale.ray_run import RayOptions
 
 INSTALL_HINT = ("--ray needs Ray, an optional extra: pip install 'evalrun[ray]' (or pip install 'ray[default]'), "
                 "on the driver and on every node of the cluster")
@@ -48,7 +46,7 @@ def require_ray() -> Any:
 
 
 @contextlib.contextmanager
-def ray_instance(opts: "RayOptions") -> Iterator[dict[str, Any]]:
+def ray_instance(opts: RayOptions) -> Iterator[dict[str, Any]]:
     """Connected to Ray for the block: yields {"address", "resources"} (BadInput when it cannot be
     reached, or cannot hold one replica)."""
     ray = require_ray()
@@ -88,7 +86,7 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
                        "(`ray start --head` on its head node) or give its address") from None
 
 
-def _check_resources(opts: "RayOptions", resources: dict[str, float]) -> None:
+def _check_resources(opts: RayOptions, resources: dict[str, float]) -> None:
     for name, each in (("CPU", opts.cpus_per_replica), ("GPU", opts.gpus_per_replica)):
         have = resources.get(name, 0)
         if each > have and opts.address is None:
@@ -106,7 +104,7 @@ class _Waiting:
 
 
 class RayBackend:
-    def __init__(self, spec: Any, opts: "RayOptions", hooks: Optional[ReplicaHooks] = None):
+    def __init__(self, spec: Any, opts: RayOptions, hooks: Optional[ReplicaHooks] = None):
         ray = require_ray()
         self._ray = ray
         self._actor_class = ray.remote(Replica).options(

@@ -2,7 +2,7 @@
 the run directory: the same manifest, parts, resume and summary as a single-process run, so
 either kind of run resumes the other.
 
-    ray_options(args, cfg) ──► RayOptions (checked before anything loads; BadInput = exit 2)
+    ray_options(RayRequest, cfg) ──► RayOptions (checked before anything loads; BadInput = exit 2)
     ray_generate(prepared)
       the documents not stored yet ──► replica_parcels (prefix groups kept whole, largest first)
       ray_instance ──► RunStore.open ──► RayBackend (N Replica actors) ──► Dispatcher.run()
@@ -16,89 +16,49 @@ Ray instance. Rows still executing in the driver's sandbox then are computed aga
 """
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import sys
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from evalrun.errors import BadInput, RunFailed
+from evalrun.results import RunStore, throughput, write_prompts
+from evalrun.run.config import RayOptions, RayRequest
+from evalrun.run.engine_config import EngineConfig
+from evalrun.run.pipeline import PreparedRun, Session, finish_session, open_store, say_resuming
+from evalrun.scale.dispatch import Dispatcher, Limits
+from evalrun.scale.ray_actor import ReplicaHooks, ReplicaSpec
+from evalrun.scale.ray_backend import RayBackend, ray_instance, require_ray
+from evalrun.scale.units import replica_parcels
+from evalrun.tasks.base import NONFINITE_COLUMN
 
-if TYPE_CHECKING:
-    from evalrun.run.engine_config import EngineConfig
-    from evalrun.run.pipeline import PreparedRun
-    from evalrun.results import RunStore
+__all__ = ["RayOptions", "StoreIntake", "ray_options", "ray_generate", "replica_hooks"]
 
 PAUSE_ENV = "EVALRUN_TEST_PAUSE_REPLICA"      # tests: ROWS:PIDFILE (evalrun/scale/ray_actor.py ReplicaHooks)
 DELAY_ENV = "EVALRUN_TEST_REPLICA_DELAY"      # tests: SECONDS after each message
 FAIL_ENV = "EVALRUN_TEST_FAIL_DOC"            # tests: a document key (JSON) whose parcel raises everywhere
-_RAY_FLAGS = {"ray_address": "--ray-address", "replicas": "--replicas", "gpus_per_replica": "--gpus-per-replica",
-              "cpus_per_replica": "--cpus-per-replica", "ray_timeout": "--ray-timeout",
-              "ray_batch_rows": "--ray-batch-rows"}
-
-
-def add_ray_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ray", action="store_true",
-                   help="compute the run on Ray replicas, each loading the model once and pulling work units "
-                        "(prefix groups kept together) as it finishes; this process alone writes the run "
-                        "directory, which resumes like any other. Needs `pip install evalrun[ray]` (default: off)")
-    p.add_argument("--ray-address", metavar="ADDRESS",
-                   help="join this running Ray cluster (host:port, ray://host:port or auto) instead of starting "
-                        "a local Ray instance for the run (default: a local instance, stopped at the end)")
-    p.add_argument("--replicas", type=int, metavar="N",
-                   help="model replicas (Ray actors) to run; required with --ray (no default)")
-    p.add_argument("--gpus-per-replica", type=float, metavar="G",
-                   help="GPUs each replica asks Ray for (default: 1 with --device cuda, else 0)")
-    p.add_argument("--cpus-per-replica", type=float, metavar="C",
-                   help="CPUs each replica asks Ray for; also its torch threads (default: 1)")
-    p.add_argument("--ray-timeout", type=float, metavar="SECONDS",
-                   help="the longest a replica may take to start, or stay silent while running a parcel, "
-                        "before it is killed and its work re-queued (default: 600)")
-    p.add_argument("--ray-batch-rows", type=int, metavar="N",
-                   help="rows a replica sends back at once, or what it has after a second (default: 32)")
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    replicas: int
-    address: Optional[str] = None           # None: a local instance for this run
-    gpus_per_replica: float = 0.0
-    cpus_per_replica: float = 1.0
-    timeout: float = 600.0
-    batch_rows: int = 32
-    execute_on: Optional[str] = None        # HumanEval: "driver" | "replica"
-
-    def record(self) -> dict[str, Any]:
-        out = {"address": self.address or "local", "replicas": self.replicas,
-               "gpus_per_replica": self.gpus_per_replica, "cpus_per_replica": self.cpus_per_replica,
-               "timeout": self.timeout, "batch_rows": self.batch_rows}
-        return {**out, "execute_on": self.execute_on} if self.execute_on else out
-
-
-def ray_options(args: argparse.Namespace, cfg: "EngineConfig") -> Optional[RayOptions]:
+def ray_options(req: RayRequest, cfg: EngineConfig, execute_on: Optional[str] = None) -> Optional[RayOptions]:
     """The --ray settings (None without --ray); BadInput for a flag that needs --ray, a bad value, or
-    Ray not installed."""
-    given = [flag for name, flag in _RAY_FLAGS.items() if getattr(args, name, None) is not None]
-    execute_on = getattr(args, "execute_on", None)
-    if not getattr(args, "ray", False):
+    Ray not installed. `execute_on`: where a task with a context (HumanEval) scores its rows."""
+    if not req.enabled:
+        given = req.given()
         if given:
             raise BadInput(f"{given[0]} needs --ray")
         if execute_on == "replica":
             raise BadInput("--execute-on replica needs --ray (without it everything runs in this process)")
         return None
-    if args.replicas is None:
+    if req.replicas is None:
         raise BadInput("--ray needs --replicas N, the number of model replicas to run")
     cuda = cfg.device.startswith("cuda")
     if cfg.device not in ("cpu", "cuda"):
         raise BadInput(f"--ray gives each replica a device of its own: use --device cuda, not {cfg.device}")
-    opts = RayOptions(args.replicas, args.ray_address, _or(args.gpus_per_replica, 1.0 if cuda else 0.0),
-                      _or(args.cpus_per_replica, 1.0), _or(args.ray_timeout, 600.0), _or(args.ray_batch_rows, 32),
-                      execute_on)
+    opts = RayOptions(req.replicas, req.address, _or(req.gpus_per_replica, 1.0 if cuda else 0.0),
+                      _or(req.cpus_per_replica, 1.0), _or(req.timeout, 600.0), _or(req.batch_rows, 32), execute_on)
     _check(opts, cuda)
-    from evalrun.scale.ray_backend import require_ray
     require_ray()
     return opts
 
@@ -120,23 +80,12 @@ def _check(opts: RayOptions, cuda: bool) -> None:
                        f"{opts.batch_rows}")
 
 
-def ray_argv(args: argparse.Namespace) -> list[str]:
-    """The --ray flags of `args` as command-line words (a suite hands them to each of its runs)."""
-    if not getattr(args, "ray", False):
-        return []
-    out = ["--ray"]
-    for name, flag in _RAY_FLAGS.items():
-        if getattr(args, name, None) is not None:
-            out += [flag, str(getattr(args, name))]
-    return out
-
-
 @dataclass
 class StoreIntake:
     """Rows from the replicas into the store in arrival order, after the run's row_base; with `finish`
     (HumanEval --execute-on driver) a generated row is stored once its execution here is done."""
     run_dir: Path
-    store: "RunStore"
+    store: RunStore
     row_base: dict[str, Any]
     finish: Optional[Callable[[dict[str, Any]], Future]] = None
     rows: int = 0
@@ -146,7 +95,6 @@ class StoreIntake:
     _executing: set[Future] = field(default_factory=set)
 
     def add(self, rows: list[dict[str, Any]], prompts: Mapping[str, str]) -> None:
-        from evalrun.results import write_prompts
         new = {h: text for h, text in prompts.items() if h not in self._prompts}
         if new:
             write_prompts(self.run_dir, new)          # before the rows that reference them
@@ -174,19 +122,15 @@ class StoreIntake:
                   "rerun computes them", file=sys.stderr)
 
     def _store(self, row: dict[str, Any]) -> None:
-        from evalrun.tasks.base import NONFINITE_COLUMN
         self.store.add(row)
         self.rows += not row.get("skipped")
         self.skipped += bool(row.get("skipped"))
         self.nonfinite += bool(row.get(NONFINITE_COLUMN))
 
 
-def replica_hooks() -> Any:
+def replica_hooks() -> Optional[ReplicaHooks]:
     """The tests' ReplicaHooks from $EVALRUN_TEST_PAUSE_REPLICA, $EVALRUN_TEST_REPLICA_DELAY and
     $EVALRUN_TEST_FAIL_DOC (None: all unset)."""
-    import json
-
-    from evalrun.scale.ray_actor import ReplicaHooks
     pause, delay, fail = os.environ.get(PAUSE_ENV), os.environ.get(DELAY_ENV), os.environ.get(FAIL_ENV)
     if not pause and not delay and not fail:
         return None
@@ -195,17 +139,11 @@ def replica_hooks() -> Any:
                         tuple(json.loads(fail)) if fail else None)
 
 
-def ray_generate(p: "PreparedRun") -> int:
+def ray_generate(p: PreparedRun) -> int:
     """Compute what `p` has left on Ray replicas (see the module's diagram); returns 0, or raises
     RunFailed naming the parcels that failed on every replica once everything else is written."""
-    from evalrun.scale.dispatch import Dispatcher, Limits
-    from evalrun.run.pipeline import Session, finish_session, open_store, say_resuming
-    from evalrun.scale.ray_actor import ReplicaSpec
-    from evalrun.scale.ray_backend import RayBackend, ray_instance
-    from evalrun.scale.units import replica_parcels
-    from evalrun.results import throughput
     opts, run = p.ray, p.run
-    assert opts is not None
+    assert opts is not None and p.cfg is not None and p.model_dir is not None
     say_resuming(run, p.todo)
     parcels, cap = replica_parcels(run.task.restricted([k for k in p.todo.keys if k not in p.todo.done]),
                                    opts.replicas)

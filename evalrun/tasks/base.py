@@ -23,6 +23,10 @@ class TaskDataError(ValueError):
     """Malformed task data: names the file and row."""
 
 
+class TaskSettingError(ValueError):
+    """A task option out of range, or one this host cannot honor (the message names the flag)."""
+
+
 NONFINITE_COLUMN = "nonfinite_logits"   # a row's flag: its answer came from NaN/Inf logits
 CHARS_PER_TOKEN = 4                     # work-unit estimates: no tokenizer, the same on every machine
 

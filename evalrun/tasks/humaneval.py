@@ -23,12 +23,12 @@ from evalrun.engine import SamplerSettings
 from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
-from .registry import HUMANEVAL
 from .sandbox import CheckSpec, ExecResult, Sandbox
 
 STOP_STRINGS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function "
                     "in one ```python code block.\n\n```python\n{prompt}```")
+KEY_COLUMNS = ("task_id", "sample_idx")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
 
 
@@ -97,7 +97,7 @@ def sample_seed(seed: int, task_id: str, sample_idx: int) -> int:
 
 class HumanEvalTask:
     name = "humaneval"
-    key_columns = HUMANEVAL.key_columns                 # evalrun/tasks/registry.py: what compare reads
+    key_columns = KEY_COLUMNS
     progress_metric = "passed"
 
     def __init__(self, data: HumanEvalData, settings: HumanEvalSettings, sandbox: Optional[Sandbox] = None,
@@ -178,6 +178,10 @@ class HumanEvalTask:
         if self.settings.chat:
             row["response"] = answer.text
         return row
+
+    def check_row(self, row: dict[str, Any]) -> Future:
+        """check() of a generated row that carries its key columns (a --ray replica's row)."""
+        return self.check(row["task_id"], row)
 
     def check(self, task_id: str, row: dict[str, Any]) -> Future:
         """Future of `row` (a generated row of problem `task_id`) with its execution's verdict; a

@@ -11,17 +11,20 @@ choice is not a single token, its full log-likelihood is summed over one job per
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Optional, Sequence
 
 import torch
 
-from .base import (NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, TaskDataError, estimate_tokens,
-                   prompt_hash)
+from .base import (NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError,
+                   estimate_tokens, prompt_hash)
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
-from .mmlu_groups import GROUPS, group_of
-from .registry import MMLU
+from .mmlu_groups import GROUP_DISPLAY_NAME, GROUPS, group_of
+from .spec import CliArg, RunReport, TaskSpec
 
 PROMPT_FORMAT = "lm-eval-mmlu-default"      # in the run identity: a change of format refuses a resume
+KEY_COLUMNS = ("subject", "doc_id")
+UNLISTED = "unlisted"                       # the category of a subject MMLU does not have (a user's own data)
 
 
 def format_question(doc: MMLUDoc) -> str:
@@ -43,7 +46,7 @@ def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
 
 class MMLUTask:
     name = "mmlu"
-    key_columns = MMLU.key_columns                 # evalrun/tasks/registry.py: what compare reads
+    key_columns = KEY_COLUMNS
 
     def __init__(self, data_dir: Optional[str] = None, subjects: Optional[Sequence[str]] = None,
                  limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None,
@@ -195,3 +198,96 @@ def _pooled(subjects: list[dict[str, Any]]) -> dict[str, Any]:
     spread = sum((s["n"] - 1) * s["n"] * s["stderr"] ** 2 for s in used if s["n"] > 1)
     dof = total - len(used)
     return {"n": total, "accuracy": accuracy, "stderr": math.sqrt(spread / dof / total) if dof > 0 else float("nan")}
+
+
+# -- the registry entry ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MMLUOptions:
+    data_dir: Optional[str] = None
+    subjects: Optional[str] = None               # comma-separated, as given
+    limit: Optional[int] = None
+    num_fewshot: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_fewshot <= 5:
+            raise TaskSettingError(f"--num-fewshot must be between 0 and 5, got {self.num_fewshot}")
+        if self.limit is not None and self.limit < 1:
+            raise TaskSettingError(f"--limit must be >= 1, got {self.limit}")
+
+    @property
+    def subject_list(self) -> Optional[list[str]]:
+        names = [s.strip() for s in (self.subjects or "").split(",") if s.strip()]
+        return names or None
+
+
+def _build(options: MMLUOptions, seed: int) -> MMLUTask:
+    return MMLUTask(options.data_dir, options.subject_list, options.limit, options.num_fewshot)
+
+
+def _identity(options: MMLUOptions, task: MMLUTask) -> dict[str, Any]:
+    return {"data_fingerprint": task.fingerprint(), "num_fewshot": task.num_fewshot, "prompt_format": PROMPT_FORMAT}
+
+
+def _summarize(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    return summarize_subjects(rows, groups)          # MMLU's prefix groups are its subjects, in order
+
+
+def print_summary(options: MMLUOptions, r: RunReport) -> None:
+    width = max([len(s["subject"]) for s in r.per_group] + [15])
+    print(f"\n{'subject':<{width}}  {'n':>5}  {'acc':>6}  {'stderr':>6}")
+    for s in r.per_group:
+        print(_line(s["subject"], s, width))
+    print()
+    for group, stats in r.overall.get("groups", {}).items():
+        if stats["n"]:
+            print(_line(GROUP_DISPLAY_NAME[group], stats, width))
+    print(_line("overall", r.overall, width))
+    tp = r.throughput
+    if tp and tp.get("dedup_ratio"):
+        print(f"\nwall {tp['wall_seconds']:.1f}s, prompt tokens {tp['prompt_tokens']}, computed "
+              f"{tp['prefill_tokens_computed']} (dedup x{tp['dedup_ratio']:.2f})")
+    print(f"results: {r.out_dir}")
+
+
+def _line(name: str, s: dict[str, Any], width: int) -> str:
+    acc = "-" if s["n"] == 0 else f"{s['accuracy']:.4f}"
+    err = "-" if s["n"] < 2 or s["stderr"] != s["stderr"] else f"{s['stderr']:.4f}"     # NaN: undefined
+    return f"{name:<{width}}  {s['n']:>5}  {acc:>6}  {err:>6}"
+
+
+def show_row(row: dict[str, Any]) -> str:
+    head = f"{row['subject']} #{row['doc_id']}"
+    if row.get("skipped"):
+        return f"{head}: skipped ({row.get('skip_reason')})"
+    logprobs = row.get("choice_logprobs")
+    scores = "  ".join(f"{L} {v:.3f}" for L, v in zip("ABCD", logprobs)) if logprobs is not None else "-"
+    verdict = "correct" if row["correct"] else "wrong"
+    return (f"{head}: predicted {row['prediction']}, target {row['target']} ({verdict}); "
+            f"log-probs {scores}\nquestion: {row.get('question', '(not stored)')}")
+
+
+def _accuracy(n: int, c: int) -> float:
+    return c / n
+
+
+CLI_ARGS = (
+    CliArg(("--data-dir",), "local MMLU: cais/mmlu parquet layout (dev.parquet, test.parquet) or Hendrycks CSV "
+                            "layout (dev/, test/) (default: the hub's cais/mmlu)"),
+    CliArg(("--subjects",), "comma-separated subjects (default: all)"),
+    CliArg(("--limit",), "at most N questions per subject (default: all)", type=int),
+    CliArg(("--num-fewshot", "--num_fewshot"), "few-shot examples per prompt, 0-5 (default: 5)", dest="num_fewshot",
+           type=int, default=5),
+)
+
+SPEC = TaskSpec(
+    name="mmlu", key_columns=KEY_COLUMNS, metric="correct", aggregate="accuracy", unit_columns=KEY_COLUMNS,
+    unit_score=_accuracy,
+    groupings={"subject": lambda key: str(key[0]), "category": lambda key: group_of(key[0]) or UNLISTED},
+    group_order={"category": GROUPS}, default_by="category",
+    help="MMLU 5-shot (57 subjects, 14,042 questions) by next-token log-probs",
+    description="Evaluate a model on MMLU in lm-evaluation-harness's default format; rows land in OUTPUT_DIR as "
+                "each question finishes, and a rerun resumes (a changed --limit/--subjects computes only the new "
+                "questions).",
+    cli_args=CLI_ARGS, options=MMLUOptions, build=_build, identity=_identity, unit="questions",
+    summarize=_summarize, report=print_summary, show_row=show_row)

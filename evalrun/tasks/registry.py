@@ -1,78 +1,55 @@
-"""The task registry: what every task declares so that runs of it can be stored, resumed and
-compared without knowing the task's code.
+"""The task registry: the one place that lists evalrun's tasks (evalrun/tasks/spec.py says what an
+entry holds). The CLI's task commands, `show`, `merge`, `suite` and `compare` read only this.
 
-    TaskSpec ── key_columns     which rows are the same question (or sample)
-             ── metric          the per-row pass/fail column ("correct", "passed")
-             ── unit_columns    rows that share these are samples of one unit (a HumanEval problem)
-             ── aggregate       how units combine ("accuracy", "pass@1"), via unit_score(n, c)
-             ── groupings       --by names -> the group of a unit (MMLU subject, category)
-
-`evalrun compare`/`regress`/`suite` read only this registry and run directories.
+Adding a task: a module that defines its TaskSpec, plus one line in BUILTIN. A task can also be
+registered while a process runs (a test's own task): register(spec) before the CLI builds its
+parser, unregister(name) after.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from . import humaneval_spec, mmlu
+from .spec import CliArg, Grouping, RunReport, TaskContext, TaskSpec
 
-from .mmlu_groups import GROUPS, group_of
-from .passk import pass_at_k
+__all__ = ["CliArg", "Grouping", "RunReport", "TaskContext", "TaskSpec", "MMLU", "HUMANEVAL", "register",
+           "unregister", "task_spec", "task_specs", "runnable_specs"]
 
-Grouping = Callable[[tuple], str]          # a unit's key -> its group's name
-UNLISTED = "unlisted"                      # MMLU category of a subject MMLU does not have (a user's own data)
+MMLU = mmlu.SPEC
+HUMANEVAL = humaneval_spec.SPEC
+BUILTIN = (MMLU, HUMANEVAL)                 # one line per task
 
-
-@dataclass(frozen=True)
-class TaskSpec:
-    name: str
-    key_columns: tuple[str, ...]
-    metric: str
-    aggregate: str
-    unit_columns: tuple[str, ...]
-    unit_score: Callable[[int, int], float]          # (rows of the unit, rows passing) -> its score
-    groupings: Mapping[str, Grouping] = field(default_factory=dict)
-    group_order: Mapping[str, tuple[str, ...]] = field(default_factory=dict)   # listed groups first, in order
-    default_by: str = "none"
-    commands: tuple[str, ...] = ()                   # the CLI commands that run it
-
-    def __post_init__(self) -> None:
-        if not set(self.unit_columns) <= set(self.key_columns):
-            raise ValueError(f"{self.name}: unit columns {self.unit_columns} must be key columns")
-        if self.default_by != "none" and self.default_by not in self.groupings:
-            raise ValueError(f"{self.name}: default grouping {self.default_by!r} is not one of its groupings")
-
-    @property
-    def by_choices(self) -> tuple[str, ...]:
-        return (*self.groupings, "none")
+_TASKS: dict[str, TaskSpec] = {s.name: s for s in BUILTIN}
 
 
-def _accuracy(n: int, c: int) -> float:
-    return c / n
+def register(spec: TaskSpec) -> None:
+    """Add a task (ValueError when its name or an alias is taken)."""
+    taken = {n for s in _TASKS.values() for n in (s.name, *s.aliases)}
+    clash = sorted({spec.name, *spec.aliases} & taken)
+    if clash:
+        raise ValueError(f"task name {clash[0]!r} is registered already")
+    _TASKS[spec.name] = spec
 
 
-def _pass_at_1(n: int, c: int) -> float:
-    return pass_at_k(n, c, 1)
+def unregister(name: str) -> None:
+    """Remove a task registered with register() (the built-in ones stay)."""
+    if any(s.name == name for s in BUILTIN):
+        raise ValueError(f"{name} is a built-in task")
+    _TASKS.pop(name, None)
 
 
-MMLU = TaskSpec(
-    name="mmlu", key_columns=("subject", "doc_id"), metric="correct", aggregate="accuracy",
-    unit_columns=("subject", "doc_id"), unit_score=_accuracy,
-    groupings={"subject": lambda key: str(key[0]), "category": lambda key: group_of(key[0]) or UNLISTED},
-    group_order={"category": GROUPS}, default_by="category", commands=("mmlu",))
+def task_specs() -> list[TaskSpec]:
+    """Every registered task, built-in ones first, in registration order."""
+    return list(_TASKS.values())
 
-HUMANEVAL = TaskSpec(
-    name="humaneval", key_columns=("task_id", "sample_idx"), metric="passed", aggregate="pass@1",
-    unit_columns=("task_id",), unit_score=_pass_at_1, commands=("humaneval",))
 
-TASK_SPECS: dict[str, TaskSpec] = {
-    "mmlu": MMLU,
-    "humaneval": HUMANEVAL,
-    "humaneval-score": HUMANEVAL,          # `evalrun humaneval --score-samples`: same rows, same metric
-}
+def runnable_specs() -> list[TaskSpec]:
+    """The tasks with an `evalrun <name>` command."""
+    return [s for s in _TASKS.values() if s.runnable]
 
 
 def task_spec(name: str) -> TaskSpec:
-    """The spec of a run's task (manifest["task"]); ValueError naming the known tasks otherwise."""
-    try:
-        return TASK_SPECS[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}; evalrun knows {', '.join(sorted(TASK_SPECS))}") from None
+    """The spec of a run's task (manifest["task"], an alias included); ValueError naming the known tasks."""
+    for spec in _TASKS.values():
+        if name == spec.name or name in spec.aliases:
+            return spec
+    known = sorted(n for s in _TASKS.values() for n in (s.name, *s.aliases))
+    raise ValueError(f"unknown task {name!r}; evalrun knows {', '.join(known)}")
