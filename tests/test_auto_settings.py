@@ -1,14 +1,13 @@
 """`auto` device/dtype/cache choices: every CPU-flag case and CUDA (mocked), and resumes."""
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
 import pytest
 
 from evalrun.engine.auto import HostFacts, SettingError, choose_cache_mode, choose_device, choose_dtype, host_facts
-from evalrun.run.engine_config import engine_config
+from evalrun.run.engine_config import EngineRequest, engine_config
 from evalrun.errors import BadInput
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
@@ -82,10 +81,10 @@ def test_host_facts_read_this_machine():
     assert choose_dtype("auto", "cpu", facts).value == ("bfloat16" if has_bf16 else "float32")
 
 
-def _args(**kw) -> argparse.Namespace:
+def _args(**kw) -> EngineRequest:
     base = dict(device="auto", dtype="auto", cache_mode="auto", cache_tokens=4096, page_size=16,
                 max_batch_size=None, max_chunk_size=512)
-    return argparse.Namespace(**{**base, **kw})
+    return EngineRequest(**{**base, **kw})
 
 
 def test_engine_config_resolves_every_auto(tmp_path):

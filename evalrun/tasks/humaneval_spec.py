@@ -50,8 +50,7 @@ class HumanEvalOptions:
             raise TaskSettingError(f"--timeout must be > 0 seconds, got {self.timeout}")
         if self.data_file is not None and self.hub is not None:
             raise TaskSettingError("give --data-file or --hub, not both")
-        self.limits
-        self.settings(0)
+        _ = (self.limits, self.settings(0))         # each raises TaskSettingError on a value out of range
 
     @property
     def limits(self) -> SandboxLimits:
