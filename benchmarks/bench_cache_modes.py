@@ -148,7 +148,7 @@ def run_decode_mode(args: argparse.Namespace, model: Model, tokenizer: Tokenizer
     timed = runs[1:]
     full_pages = n * (len(prompts[0]) // ps) * ps
     return {"bytes_per_token": cache.bytes_per_token(), "cache_memory_bytes": cache.memory_bytes(),
-            "kernels": {"backend": model.kernels.name, **model.kernels.describe(cache.format)},
+            "kernels": {"backend": cache.kernels.backend, **cache.kernels.describe()},
             "prefill_s": runs[0]["first_tokens_s"], "prefill_tokens": runs[0]["prefill_tokens"],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "repeats": [{k: v for k, v in r.items() if k != "completions"} for r in runs],

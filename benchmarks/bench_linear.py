@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import write_result
 from evalrun.kernels.cpu import gemm
+from evalrun.kernels.cpu.linear import linear_gemm, linear_onednn
 from evalrun.kernels.linear import Linear, linear, onednn_available
 
 Variant = Callable[[torch.Tensor], torch.Tensor]
@@ -56,7 +57,7 @@ def variants(w: torch.Tensor) -> dict[str, Variant]:
     wt = w.t().contiguous()                                  # [in, out]
     out: dict[str, Variant] = {"F.linear": lambda x: F.linear(x, w)}
     if gemm.available():
-        native = Linear(w, panels=gemm.pack(w))
+        native = Linear(w, panels=gemm.pack(w), kernel=linear_gemm)
         in_use = gemm.width()                               # the CPU's widest, or EVALRUN_GEMM_WIDTH's
 
         def at_width(bits: int) -> Variant:
@@ -71,7 +72,7 @@ def variants(w: torch.Tensor) -> dict[str, Variant]:
         if in_use == 512:                                   # the AVX2 tiles on an AVX-512 CPU
             out["native-256"] = at_width(256)
     if onednn_available():
-        onednn = Linear(w, packed=torch.ops.mkldnn._reorder_linear_weight(w, None))
+        onednn = Linear(w, packed=torch.ops.mkldnn._reorder_linear_weight(w, None), kernel=linear_onednn)
         out["onednn-packed"] = lambda x: linear(x, onednn)
     out["x@wT(contig)"] = lambda x: torch.mm(x, wt)
     out["(w@xT)T"] = lambda x: torch.mm(w, x.t()).t().contiguous()

@@ -112,14 +112,15 @@ def bench_decode(rows: int, ctx: int, fmt_name: str, hq: int = 32, hkv: int = 8,
 def bench_prefill(seqs: int = 16, new: int = 512, cached: int = 1024, hq: int = 32, hkv: int = 8, d: int = 128,
                   page: int = 256) -> dict:
     from evalrun.kernels.attention import build_metadata
-    from evalrun.kernels.backend import TorchKernels, TritonKernels
+    from evalrun.kernels.backend import PlanKey, TorchKernels, TritonKernels
     gen = torch.Generator().manual_seed(0)
     ctx = cached + new
     layer, tables, null_page = _paged_layer("bf16", seqs, ctx, page, hkv, d, gen)
     meta = build_metadata([new] * seqs, [ctx] * seqs, tables, page, null_page, DEV["device"])
     q = torch.randn(seqs * new, hq, d, device=DEV["device"], dtype=torch.bfloat16)
     scale = d ** -0.5
-    triton_k, torch_k = TritonKernels(), TorchKernels()
+    key = PlanKey.for_layer(q, layer)
+    triton_k, torch_k = TritonKernels().plan(key), TorchKernels().plan(key)        # resolved once, as a model does
     out, ref = triton_k.attention(q, layer, meta, scale), torch_k.attention(q, layer, meta, scale)
     pairs = seqs * hq * sum(cached + i + 1 for i in range(new))          # (query, key) pairs attended
     flops = 4 * d * pairs

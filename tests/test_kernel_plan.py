@@ -75,6 +75,8 @@ def test_the_manifest_names_what_ran(tiny_kv32_dir, monkeypatch, forced, dtype, 
         assert kernels["decode_step"] == ("native-c" if (dtype, mode) == ("float32", "fp32") else "off")
         assert kernels["norm_act"] == ("native-c" if dtype == "float32" else "torch")
         assert kernels["head_norm"] == "native-c"                   # the head's rows are float32 in every dtype
+        if not KV_FORMATS[mode].quantized:                          # float32 pages: written by the rope kernel
+            assert kernels["kv_write"] == ("native-c rope_write" if dtype == "float32" else "torch")
 
 
 def test_default_choice_on_this_cpu(tiny_kv32_dir, monkeypatch):

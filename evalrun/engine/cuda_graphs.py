@@ -2,8 +2,10 @@
 per-step launch cost: a pure decode batch of B rows runs the forward captured for the smallest
 bucket >= B, after its inputs are copied into that bucket's static buffers. Batches of single
 tokens only (decode steps, and speculative verify steps, whose draft rows are one-token sequences
-too); prefill and mixed batches, windowed cache formats, layouts a Triton kernel does not take and
-the flash-attn backend (whose split heuristic reads the lengths on the host) run eagerly.
+too); prefill and mixed batches run eagerly, and so does every step over a cache whose kernel plan
+is not graph-safe (`KernelPlan.cuda_graphs`, kernels/backend.py: off for windowed formats, ops the
+Triton kernels do not take, and the flash-attn backend, whose split heuristic reads the lengths on
+the host).
 
     buckets       1, 2, 4, then every multiple of 8 up to MAX_ROWS, and no more rows than keep the
                   decode kernel's split partials under SPLIT_BUDGET bytes

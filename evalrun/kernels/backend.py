@@ -194,6 +194,7 @@ class NativeCpuKernels(TorchKernels):
         rope = _rope_write(write)
         if fused_ok and f32 and not fmt.quantized and fmt.dtype == torch.float32:
             rope, names["rope_write"] = _rope_write_native, "native-c"
+            names["kv_write"] = "native-c rope_write"        # the model's K/V are written by the rope kernel
         norm = native_fused.rms_norm_native if fused_ok and f32 else rms_norm_reference
         head = native_fused.rms_norm_native if fused_ok else rms_norm_reference
         silu = native_fused.silu_mul_native if fused_ok and f32 else silu_mul_reference
