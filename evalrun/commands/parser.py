@@ -303,7 +303,6 @@ def add_suite_parser(sub: argparse._SubParsersAction) -> None:
     add_ray_args(p)
 
 
-
 class VersionAction(argparse.Action):
     """argparse's "version" action, but the line (a git call) is made only when asked for."""
 
