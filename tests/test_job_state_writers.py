@@ -171,6 +171,7 @@ def test_allocation_and_draft_record_fields_have_one_writer_each():
         mods == {"kv_manager.py"} for mods in attribute_writers(sources, alloc).values())
     assert attribute_writers(sources, record) and all(
         mods == {"speculation.py"} for mods in attribute_writers(sources, record).values())
+    assert attribute_writers(sources, {"state"}) == {}     # a job's record is made once, in job.py
 
 
 def test_the_kv_manager_knows_pages_not_jobs():

@@ -184,8 +184,7 @@ class DynamicGenerator:
                                     len(jobs), remaining, draft_cost)
         if self.draft is None or not chosen:
             return chosen
-        wants = {ch.job: len(ch.draft) for ch in sched.with_drafts(chunks, chosen) if ch.draft}
-        made = self.draft.propose(list(wants.items()))
+        made = self.draft.propose([(ch.job, len(ch.draft)) for ch in sched.with_drafts(chunks, chosen) if ch.draft])
         self._draft_probs = {k: p.probs for k, p in made.items()}
         return {k: p.tokens for k, p in made.items()}
 

@@ -155,6 +155,8 @@ class Scheduler:
         """The step's chunks, each decode chunk carrying its job's draft (drafts: id(job) -> tokens)
         as far as the draft budget goes, in chunk order. Drafts come last: they only speed up,
         prompts let jobs start."""
+        if not drafts:
+            return chunks
         budget = self.draft_budget(chunks)
         out = []
         for ch in chunks:
