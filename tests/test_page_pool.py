@@ -8,7 +8,7 @@ import pytest
 
 import evalrun.engine as engine
 from evalrun.engine.job import DynamicJob
-from evalrun.engine.kv_manager import KVManager
+from evalrun.engine.kv_manager import KVAllocation, KVManager, PageCopy
 from evalrun.engine.page_pool import ROOT_HASH, PagePool, chain_hash
 from evalrun.engine.scheduler import Scheduler
 
@@ -279,3 +279,52 @@ def test_only_the_pool_writes_its_pages_fields():
                             isinstance(t.value, ast.Name) and t.value.id == "self"):
                         writers.add(path.name)
     assert writers == {"page_pool.py"}
+
+
+def test_kv_manager_returns_a_typed_allocation():
+    """admit hands back what it reserved (exact pages, waits, copy, cached tokens); nothing of the
+    job is written: the scheduler starts the job's computed count at cached_tokens."""
+    pool = PagePool(8, 4)
+    kv = KVManager(pool)
+    shared = list(range(100, 110))                     # 2 full pages + 2 tokens
+    a = kv.admit(shared + [1, 2, 3], 15)
+    assert a == KVAllocation(page_table=[0, 1, 2, 3], cached_tokens=0, prompt_len=13)
+    b = kv.admit(shared + [4, 5, 6], 15)                # a's pages 0, 1 by reference, 2 slots of page 2 copied
+    assert b == KVAllocation(page_table=[0, 1, 4, 5], cached_tokens=10, prompt_len=13,
+                             waits=[(0, 4), (1, 4), (2, 2)], copy=PageCopy(src_page=2, dst_page=4, num_tokens=2))
+    assert kv.admit(shared + [7], 20) is None and pool.num_available == 2   # does not fit: nothing held
+    kv.on_computed(a, 0, 13)
+    assert kv.ready(b) and kv.take_copy(b) == b.copy and b.waits == []
+    kv.copy_done(b)
+    assert b.copy is None and pool.pages[4].num_valid == 2 and pool.pages[2].ref_count == 1
+
+
+def test_drafts_are_the_same_arithmetic_within_the_chunk_budget():
+    """A decode chunk carries its draft as a value, in what the budget leaves after the known tokens
+    (prompt chunks first); computed() advances num_computed_tokens past the kept drafts and rolls
+    the rejected ones' slots back."""
+    pool = PagePool(16, 4)
+    sched = Scheduler(pool, max_batch_size=None, max_chunk_size=8)
+    job = _job(list(range(1, 7)), n=8)
+    sched.add(job)
+    sched.admit()
+    (c,) = sched.plan()
+    sched.computed(c)
+    job.state.new_ids.append(9)                         # (JobOutput.accept's part)
+    (c,) = sched.plan()
+    assert (c.start, c.num_tokens, c.draft, c.is_decode) == (6, 1, (), True)
+    assert sched.draft_budget([c]) == 7
+    (d,) = sched.with_drafts([c], {id(job): list(range(20, 30))})
+    assert d.draft == tuple(range(20, 27)) and d.num_rows == 8 and c.draft == ()   # cut to the budget
+    sched.computed(d, num_kept=2)                        # rows at positions 6..13 ran, 2 drafts kept
+    assert job.state.num_computed_tokens == 9
+    table = job.state.kv.page_table
+    assert [pool.pages[p].num_valid for p in table[:4]] == [4, 4, 1, 0]
+    other = _job([50, 51, 52, 53, 54])
+    sched.add(other)
+    sched.admit()
+    job.state.new_ids.extend([20, 21, 5])                # the 2 kept drafts and the token after them
+    chunks = sched.plan()
+    assert [(ch.job, ch.start, ch.num_tokens) for ch in chunks] == [(job, 9, 1), (other, 0, 5)]
+    drafted = sched.with_drafts(chunks, {id(job): [1, 2, 3, 4], id(other): [7]})
+    assert [ch.draft for ch in drafted] == [(1, 2), ()]   # prompts first; a prompt chunk never drafts
