@@ -25,7 +25,7 @@ from evalrun.scale.ray_run import ray_options
 from evalrun.scale.shard import TaskShard, parse_shard, take_shard
 from evalrun.tasks.base import Task
 from evalrun.tasks.registry import task_spec
-from evalrun.tasks.spec import RunReport, TaskContext, TaskSpec
+from evalrun.tasks.spec import RunReport, ScoredElsewhere, TaskContext, TaskSpec
 
 
 def one_run(cfg: RunConfig, mode: str, run_dir: Path, tag: str) -> RunConfig:
@@ -123,4 +123,5 @@ def _attach(prepared: PreparedRun, context: TaskContext, task: Task) -> None:
 
     prepared.context = opened
     if on_ray:
-        prepared.finish_row = task.check_row      # type: ignore[attr-defined] - a task with a context scores rows
+        assert isinstance(task, ScoredElsewhere), f"{task.name} has a context but cannot score rows apart"
+        prepared.finish_row = task.check_row

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence
+from concurrent.futures import Future
+from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-from .base import Task
+from .base import Answer, DocPlan, Task
 
 Grouping = Callable[[tuple], str]          # a unit's key -> its group's name
 Summary = tuple[list[dict[str, Any]], dict[str, Any]]
@@ -59,6 +60,18 @@ class TaskContext(Protocol):
     execute_on: Optional[str]                # --ray: "driver" (replicas only generate) or "replica"
 
     def open(self, task: Task) -> ContextManager[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class ScoredElsewhere(Protocol):
+    """A task with a context whose rows may be generated on one machine and scored on another
+    (--ray: replicas generate, the driver's sandbox executes)."""
+
+    def generated(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
+        """The document's row before scoring."""
+
+    def check_row(self, row: dict[str, Any]) -> Future:
+        """Future of a generated row (with its key columns) once scored."""
 
 
 def _no_options(**values: Any) -> dict[str, Any]:
