@@ -8,9 +8,10 @@ run directory (all resumable), then one combined table, and with a [baseline] th
     [baseline]  model = "<a models.name>"  or  output_dir = "<an earlier suite's root>",
                 max_drop = 1.0, alpha = 0.05
 
-Each entry becomes the argv of the real `evalrun <task>` command and goes through the same
-parser into the same RunConfig and pipeline, so a suite run and a hand-typed run of the same
-settings are the same run (the suite's --ray flags replace each entry's, with dataclasses.replace).
+Each entry is the argv of the real `evalrun <task>` command: each task x model goes through the
+same parser into the same RunConfig once, and each of its cache modes is that config with
+dataclasses.replace (mode, run directory, the suite's --ray flags), through the same pipeline, so a
+suite run and a hand-typed run of the same settings are the same run.
 Everything is parsed and checked before anything is computed; models load once each.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from evalrun.commands.compare import (EXIT_REGRESSION, check_gate_args, compare_
                                       regress_comparison)
 from evalrun.commands.parser import build_parser, ray_request, run_config
 from evalrun.commands.task import one_run, prepare
-from evalrun.errors import BadInput
+from evalrun.errors import BadInput, as_bad_input
 from evalrun.results.atomic import atomic_write_text
 from evalrun.results.compare_format import render_csv, render_markdown, render_table
 from evalrun.run.config import RunConfig
@@ -211,19 +212,25 @@ def run_suite(args: argparse.Namespace) -> int:
     suite = load_suite(Path(args.file))
     parser = build_parser(_RaisingParser)
     ray = ray_request(args)
+    parsed: dict[tuple[str, str], RunConfig] = {}      # (task, model) -> its first entry's config
     prepared = []
     for entry in suite.entries:                   # every entry checked before anything runs
         argv = entry.argv + (["--no-progress"] if args.no_progress else [])
         where = f"{suite.path} ({entry.task}, {entry.model}, {entry.cache_mode})"
         try:
-            cfg = run_config(parser.parse_args(argv), ["suite", str(suite.path), "--", *argv])
-            cfg = replace(cfg, ray=ray) if ray.enabled else cfg
-            _check_entry(cfg, entry)
+            if (entry.task, entry.model) not in parsed:      # the other cache modes: the same flags
+                cfg = run_config(parser.parse_args(argv), argv)
+                _check_entry(cfg, entry)
+                parsed[(entry.task, entry.model)] = replace(cfg, ray=ray) if ray.enabled else cfg
+            cfg = replace(parsed[(entry.task, entry.model)], argv=("suite", str(suite.path), "--", *argv))
             prepared.append(prepare(one_run(cfg, entry.cache_mode, entry.run_dir, f"{entry.model}.{entry.cache_mode}")))
-        except BadInput as exc:
+        except Exception as exc:  # noqa: BLE001 - bad input gets the entry's name, the rest re-raises
+            bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
+            if bad is None:
+                raise
             hint = (" (in a suite: delete that run directory to redo it, or give the suite another output_dir)"
-                    if "holds another run" in str(exc) else "")
-            raise BadInput(f"{where}: {exc}{hint}") from None
+                    if "holds another run" in str(bad) else "")
+            raise BadInput(f"{where}: {bad}{hint}") from None
     loader = ModelLoader()
     n = len(prepared)
     for i, (entry, p) in enumerate(zip(suite.entries, prepared)):
