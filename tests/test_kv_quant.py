@@ -411,12 +411,14 @@ def test_native_quantize_on_write_is_the_reference_bit_for_bit(monkeypatch, mode
 
 def test_native_backend_writes_and_rotates_natively_for_code_formats(monkeypatch):
     """The backend's q4 write and attention run without ever touching the torch fallbacks,
-    and the manifest's description says so; fp32 writes stay torch."""
+    and the manifest's description says so; fp32 writes stay torch (a float32 model's are the rope
+    kernel's)."""
     _need_native_quant(monkeypatch)
     from evalrun.kernels.backend import NativeCpuKernels
     backend = NativeCpuKernels()
     assert backend.describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
-    assert backend.describe(KV_FORMATS["fp32"])["kv_write"] == "torch"
+    assert backend.describe(KV_FORMATS["fp32"], torch.bfloat16)["kv_write"] == "torch"
+    assert backend.describe(KV_FORMATS["fp32"])["kv_write"] == "native-c rope_write"
     layer = LayerKV.allocate(PAGE_FORMATS["q4"], 5, 8, 2, 64, torch.device("cpu"))
     backend.write_kv(torch.randn(32, 2, 64), torch.randn(32, 2, 64), layer, torch.arange(32))   # pages 0-3 whole
     meta = build_metadata([1, 3], [9, 11], [[0, 1], [2, 3]], 8, 4, torch.device("cpu"))

@@ -63,7 +63,7 @@ def test_the_wheel_has_one_top_level_package(wheel):
     assert top == {"evalrun"}
     for sub in ("engine", "tasks", "kernels", "results", "tasks/sandbox"):
         assert f"evalrun/{sub}/__init__.py" in names
-    assert {"evalrun/kernels/csrc/gemm.c", "evalrun/kernels/csrc/pool.h"} <= set(names)   # compiled on first use
+    assert {"evalrun/kernels/cpu/csrc/gemm.c", "evalrun/kernels/cpu/csrc/pool.h"} <= set(names)   # compiled on first use
     (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]
     if top_level is not None:
         assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["evalrun"]
