@@ -32,7 +32,7 @@ import torch
 from .cpu import gemm, native
 from .cpu.linear import linear_gemm, linear_gemm_widening, linear_onednn, onednn_available, onednn_pack
 from .cuda.triton_linear import linear_invariant_triton
-from .ref.linear import Linear, LinearFn, linear_reference, linear_torch
+from .ref.linear import Linear, linear_reference
 
 log = logging.getLogger(__name__)
 
