@@ -191,8 +191,9 @@ def test_manifest_matches_its_schema(tiny_model_dir, tmp_path):
     stamps = [manifest[k] for k in ("start_time", "end_time", "finalized_at")]
     stamps += [r[k] for r in manifest["resumes"] for k in ("at", "end_time")]
     assert all(TIME.match(s) for s in stamps), stamps
-    assert set(manifest["kernels"]) == {"linear", "backend", "kv_write", "decode_attention", "prefill_attention",
-                                        "norm_act"}
+    assert set(manifest["kernels"]) == {"backend", "linear", "lm_head", "kv_write", "decode_attention",   # the plan
+                                        "prefill_attention", "rope_write", "norm_act", "head_norm", "gate_up_silu",
+                                        "decode_step", "cuda_graphs"}
 
 
 def test_rows_are_readable_and_show_prints_their_prompts(tiny_model_dir, tmp_path, capsys):
