@@ -17,7 +17,7 @@ import torch
 from triton_setup import INTERPRET, interpreter_scalars  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
 from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
-from evalrun.engine import Model, kernel_backends
+from evalrun.engine import Model, PagedCache, kernel_backends
 from evalrun.kernels import backend
 from evalrun.kernels.backend import NativeCpuKernels, PlanKey, TorchKernels, TritonKernels, choose_kernels
 from evalrun.kernels.cpu import gemm, paged_decode, paged_prefill
@@ -147,3 +147,22 @@ def test_kernel_backends_without_a_config_is_the_nominal_head():
     _no_else(names)
     assert names["linear"] in ("native-gemm", "onednn-prepacked", "torch") and "decode_attention" in names
     assert os.environ.get("EVALRUN_KERNELS") is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_manifest_resolution_is_the_cache_resolution_for_every_mode(tiny_kv32_dir, monkeypatch, dtype, deterministic):
+    """For every cache mode (windowed ones with their default and with no window), page sizes of 16
+    and 256: kernel_backends from config.json alone gives the names of the plan the cache gets."""
+    monkeypatch.delenv("EVALRUN_KERNELS", raising=False)
+    if deterministic and not gemm.available():
+        pytest.skip("deterministic mode needs the native GEMM")
+    model = Model.load(tiny_kv32_dir, dtype=dtype, deterministic=deterministic)
+    for mode, fmt in KV_FORMATS.items():
+        for page_size in (16, 256):
+            for window in ((None, 0) if fmt.quantized else (None,)):
+                cache = PagedCache(model, max_tokens=2 * page_size, page_size=page_size, mode=mode, window=window)
+                names = kernel_backends("cpu", dtype, mode, deterministic, model.config, page_size, window)
+                assert names == {"backend": cache.kernels.backend, "linear": model.layers[0].wqkv.kernel_name,
+                                 "lm_head": model.lm_head.kernel_name, **cache.kernels.describe()}, (mode, window)
+                _no_else(names)
