@@ -16,15 +16,13 @@ the plan's ops with no check and no fallback; `KernelPlan.names` is what the run
 
 Backends: `TorchKernels` (the references, CPU and CUDA); `NativeCpuKernels` (kernels/cpu: the C
 kernels where the plan's key fits them); `TritonKernels` (kernels/cuda, CUDA or Triton's
-interpreter); `FlashAttnKernels` (flash-attn's paged attention for unquantized 16-bit caches whose
-page size is a multiple of 256, else the Triton attention; not in deterministic mode, since
-flash-attn splits long contexts by the batch's size). Untested on a GPU: no machine here has
-flash-attn; its tests run against a stand-in module.
+interpreter); `FlashAttnKernels` (kernels/cuda/flash_attn.py: flash-attn's paged attention for
+unquantized 16-bit caches whose page size is a multiple of 256, else the Triton attention; not in
+deterministic mode, since flash-attn splits long contexts by the batch's size).
 """
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .cpu import decode_step, fused as native_fused, gemm, kv_quant as native_quant, paged_decode, paged_prefill
-from .cuda import triton_attention, triton_cache_ops, triton_linear
+from .cuda import flash_attn, triton_attention, triton_cache_ops, triton_linear
 from .kv_format import KVFormat, LayerKV
 from .linear import Linear, linear, linear_backend
 from .ref.attention import attend
@@ -253,47 +251,29 @@ def _triton_attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, 
 
 class FlashAttnKernels(TritonKernels):
     name = "flash-attn"
-    PAGE_MULTIPLE = 256
 
-    def __init__(self, flash_attn: Any = None, require_cuda: bool = True) -> None:
-        """flash_attn: the module (default: imported); require_cuda=False lets tests run a stand-in on CPU."""
-        if flash_attn is None:
-            import flash_attn
-            if "block_table" not in inspect.signature(flash_attn.flash_attn_varlen_func).parameters:
-                raise ImportError(f"flash_attn {getattr(flash_attn, '__version__', '?')} takes no block_table "
-                                  "(paged KV needs flash-attn 2.5 or later)")
-        self._flash, self._require_cuda = flash_attn, require_cuda
+    def __init__(self, module: Any = None, require_cuda: bool = True) -> None:
+        """module: flash_attn (default: imported); require_cuda=False lets tests run a stand-in on CPU."""
+        self._flash, self._require_cuda = module if module is not None else flash_attn.load(), require_cuda
 
     def usable(self, key: PlanKey) -> bool:
-        """An unquantized fp16/bf16 cache of the model's dtype, pages a multiple of 256 slots, head
-        size a multiple of 8 up to 256, GQA-compatible heads, on CUDA."""
-        fmt = key.fmt
-        return (not fmt.quantized and fmt.dtype == key.dtype and key.dtype in (torch.float16, torch.bfloat16)
-                and key.page_size % self.PAGE_MULTIPLE == 0 and key.head_dim % 8 == 0 and key.head_dim <= 256
-                and _heads_fit(key) and key.standard_layout and (key.device == "cuda" or not self._require_cuda))
+        """kernels/cuda/flash_attn.py usable, GQA-compatible heads, a standard layout, on CUDA."""
+        return (flash_attn.usable(key.fmt, key.dtype, key.page_size, key.head_dim) and _heads_fit(key)
+                and key.standard_layout and (key.device == "cuda" or not self._require_cuda))
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
         plan = super()._resolve(key)
         names = {**plan.names, "cuda_graphs": "off"}      # flash-attn reads the lengths on the host
-        if not self.usable(key):
-            return KernelPlan(**{**plan.__dict__, "backend": self.name, "cuda_graphs": False, "names": names})
-        names["decode_attention"] = names["prefill_attention"] = "flash-attn"
-        flash = self._flash
-
-        def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                      k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-            # causal with fewer queries than keys aligns the queries to the end of their context (query i
-            # of a sequence with q_len queries and L keys sits at position L - q_len + i), as the pages hold
-            return flash.flash_attn_varlen_func(
-                q, layer.k, layer.v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                softmax_scale=scale, causal=True, block_table=meta.page_table)
-
+        attention = plan.attention
+        if self.usable(key):
+            attention = flash_attn.attention_op(self._flash)
+            names["decode_attention"] = names["prefill_attention"] = "flash-attn"
         return KernelPlan(**{**plan.__dict__, "backend": self.name, "attention": attention, "cuda_graphs": False,
                              "names": names})
 
 
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return flash_attn.available()
 
 
 def triton_available() -> bool:
