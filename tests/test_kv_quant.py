@@ -348,16 +348,24 @@ def test_values_beyond_the_float16_scale_range_stay_finite(bits):
 
 
 def _need_native_quant(monkeypatch):
-    """The native module, with its torch fallbacks made to fail: a test passes only if C ran."""
+    """The native module. It holds no torch reference to fall back to (a call its C code cannot take
+    raises: test_native_quant_refuses_what_it_cannot_take), so a passing test ran the C code."""
     from evalrun.kernels.cpu import kv_quant as kv_quant_native
     if not kv_quant_native.quantize_available():
         pytest.skip("the native quantize kernel is not built here (no C compiler, native off or no F16C)")
-
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("the torch fallback ran instead of the native kernel")
-    monkeypatch.setattr(kv_quant_native, "write_kv_torch", no_fallback)
-    monkeypatch.setattr(kv_quant_native, "rotate", no_fallback)
+    assert not any(hasattr(kv_quant_native, name) for name in ("write_kv_torch", "rotate", "quantize"))
     return kv_quant_native
+
+
+def test_native_quant_refuses_what_it_cannot_take(monkeypatch):
+    """No silent fallback: an unquantized cache or groups that do not divide the head raise."""
+    nq = _need_native_quant(monkeypatch)
+    k = torch.randn(2, 2, 32)
+    with pytest.raises(ValueError, match="write_kv_native"):
+        nq.write_kv_native(k, k, LayerKV.allocate(KV_FORMATS["fp32"], 3, 4, 2, 32, torch.device("cpu")),
+                           torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="rotate_native"):
+        nq.rotate_native(torch.randn(3, 48), 32)
 
 
 def test_native_rotation_is_the_reference_bit_for_bit_and_batch_invariant(monkeypatch):
