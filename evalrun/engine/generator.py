@@ -1,7 +1,6 @@
 """DynamicGenerator: a job queue driven through packed forwards over the paged cache."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Optional, Sequence
 

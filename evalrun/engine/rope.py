@@ -9,8 +9,6 @@ import math
 
 import torch
 
-from evalrun.kernels.ref.fused import apply_rope  # noqa: F401  (the model's rope op lives beside its native version)
-
 from .config import RopeConfig
 
 

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from evalrun.kernels import fused
+from evalrun.kernels.cpu import fused
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def make_generator(seed: Optional[int]) -> torch.Generator:
 
 def greedy_tokens(logits: Tensor) -> Tensor:
     """Batched greedy fast path: [B, V] -> [B] int64 argmax (ties go to the lowest id; torch.argmax's
-    contract, natively for float32 CPU rows: evalrun/kernels/fused.py)."""
+    contract, natively for float32 CPU rows: evalrun/kernels/cpu/fused.py)."""
     return fused.argmax_rows(logits)
 
 

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from evalrun.kernels import fused
+from evalrun.kernels.cpu import fused
 
 from .job import DynamicJob
 from .sampler import SampleResult, draw, greedy_tokens, inverse_cdf, sample, target_distribution
@@ -28,7 +28,7 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor,
     row), and give the sampler finite rows in their place: NaN as -inf, +inf as the largest float,
     a row with nothing left above -inf as all zeros. Rows that are finite are returned untouched.
     jobs: the job of each row (a job with a draft has several).
-    The check is one pass over the logits (kernels.fused.finite_rows: natively for float32 CPU
+    The check is one pass over the logits (kernels.cpu.fused.finite_rows: natively for float32 CPU
     rows, on the kernels' own threads; a torch reduction here left torch's threads spinning into
     the next kernels, ~3 ms a step at 32 rows on 2 cores); `finite`: that check's result, where
     the caller already has it (check_rows)."""
@@ -46,7 +46,7 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor,
 
 def check_rows(row_jobs: list[DynamicJob], logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """mark_nonfinite(row_jobs, logits), and where some row's job is plain greedy, every row's
-    argmax from the same visit of the rows (kernels.fused.argmax_finite_rows: one pass over the
+    argmax from the same visit of the rows (kernels.cpu.fused.argmax_finite_rows: one pass over the
     logits instead of two): (the sampler's logits, their row argmax or None). The argmax is None
     when a row was replaced (then it is not that row's argmax) or no job is plain greedy."""
     if not any(plain_greedy(j) for j in row_jobs):
