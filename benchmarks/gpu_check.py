@@ -10,7 +10,7 @@
      prefix; the Triton kernel and the torch reference (SDPA per sequence on the gathered context);
    achieved memory bandwidth against the H200's 4.8 TB/s (decode) and bf16 rate against its
    990 TFLOP/s datasheet peak (prefill);
-2. `pytest -m cuda tests/test_cuda_engine.py tests/test_triton_kernels.py tests/test_triton_linear.py`
+2. `pytest -m cuda tests/test_cuda_engine.py tests/test_triton_kernels.py tests/test_triton_engine.py tests/test_triton_linear.py`
    (compiled on the GPU; deterministic mode's batch invariance included),
    in parallel workers when pytest-xdist is there, with --noconftest (tests/conftest.py imports
    packages the lent machine lacks);
@@ -203,12 +203,13 @@ def main() -> None:
     if not args.skip_tests:
         left = DEADLINE_S - (time.time() - start)
         result["pytest_cuda"] = run_pytest("cuda", ["-m", "cuda", "tests/test_cuda_engine.py",
-                                                    "tests/test_triton_kernels.py", "tests/test_triton_linear.py"],
+                                                    "tests/test_triton_kernels.py", "tests/test_triton_engine.py", "tests/test_triton_linear.py"],
                                            {}, left - 30, args.out)
         save()
         left = DEADLINE_S - (time.time() - start)
         if left > 40:
             result["pytest_interpreter"] = run_pytest("interpreter", ["tests/test_triton_kernels.py",
+                                                                      "tests/test_triton_engine.py",
                                                                       "tests/test_triton_linear.py"],
                                                       {"TRITON_INTERPRET": "1"}, left - 5, args.out)
         save()

@@ -24,7 +24,7 @@ it as two eager batches of other sizes would (cuBLAS picks other kernels for oth
 
 `capture` is how a bucket is recorded: `cuda_capture` on a GPU; tests on a CPU pass one that
 records nothing and replays by calling the step again on the same static buffers, which checks the
-buffers, the padding and the metadata without a GPU (tests/test_triton_kernels.py).
+buffers, the padding and the metadata without a GPU (tests/test_triton_engine.py).
 """
 from __future__ import annotations
 
