@@ -28,8 +28,12 @@ MODES = ("fp32", "bf16", "fp16")
     (None, "float32"),                      # /proc/cpuinfo unreadable: the safe choice
 ])
 def test_auto_dtype_on_cpu_follows_the_cpu_flags(flags, expected):
+    """Without the dtype probe's figures (facts built by hand): the flag rule."""
     choice = choose_dtype("auto", "cpu", HostFacts(flags, False, None))
     assert choice.value == expected and choice.requested == "auto" and choice.reason
+    assert choice.probe is None
+    if expected == "bfloat16":
+        assert choice.reason.endswith("(not measured)")
 
 
 def test_auto_dtype_on_cuda_is_bfloat16_whatever_the_cpu():
@@ -78,6 +82,7 @@ def test_host_facts_read_this_machine():
     lines = [ln for ln in cpuinfo.read_text().splitlines() if ln.split(":")[0].strip() in ("flags", "Features")]
     assert facts.cpu_flags == frozenset(lines[0].split(":", 1)[1].split())
     has_bf16 = "avx512_bf16" in lines[0] or "amx_bf16" in lines[0]
+    assert facts.dtype_probe is None and facts.dtype_probe_skipped is None      # host_facts() measures nothing
     assert choose_dtype("auto", "cpu", facts).value == ("bfloat16" if has_bf16 else "float32")
 
 
@@ -91,9 +96,10 @@ def test_engine_config_resolves_every_auto(tmp_path):
     cfg = engine_config(_args(), None, tmp_path, facts=HostFacts(ZEN5, False, None))
     assert (cfg.device, cfg.dtype, cfg.cache_mode) == ("cpu", "bfloat16", "bf16")
     rec = cfg.choices_record()
-    assert rec["dtype"] == {"requested": "auto", "value": "bfloat16", "reason": "the CPU has avx512_bf16"}
+    assert rec["dtype"] == {"requested": "auto", "value": "bfloat16",
+                            "reason": "the CPU has avx512_bf16 (not measured)"}
     assert "auto" not in (cfg.device, cfg.dtype, cfg.cache_mode)
-    assert "dtype bfloat16 (auto: the CPU has avx512_bf16)" in cfg.describe()
+    assert "dtype bfloat16 (auto: the CPU has avx512_bf16 (not measured))" in cfg.describe()
 
 
 def test_a_resume_with_auto_keeps_the_stored_values(tmp_path):

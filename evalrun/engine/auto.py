@@ -1,11 +1,16 @@
 """`auto` engine settings: device, compute dtype and KV-cache storage chosen from facts of the host.
 
     device  auto -> cpu                  (the CUDA path has no GPU-tested suite yet; say why)
-    dtype   auto -> bfloat16 on CUDA, or on a CPU with AVX512-BF16 or AMX-BF16
-                 -> float32 elsewhere    (bf16 matmuls are emulated there, ~6x slower)
+    dtype   auto -> bfloat16 on CUDA
+                 -> on a CPU with AVX512-BF16 or AMX-BF16: bfloat16 where a layer's bf16 linears
+                    measured < BF16_MARGIN (0.9) x float32's time (evalrun/engine/dtype_probe.py,
+                    once per CPU, cached), else float32; bfloat16 unmeasured (EVALRUN_DTYPE_PROBE=0)
+                 -> float32 elsewhere    (bf16 matmuls are emulated there, ~6x slower; not measured)
     cache   auto -> the storage of the compute dtype (bf16 / fp16 / fp32)
     deterministic (batch-invariant linears, evalrun/kernels/linear.py)
-            auto -> on  for float32 (the fast linears are batch-invariant already: no cost), and
+            auto -> on  where the linear the model uses by default is the batch-invariant one
+                        (no cost: `linears`, from kernels.linear.linear_backend), and
+                        for float32 (the fast linears are batch-invariant already: no cost), and
                         for bf16/fp16 on a CPU without native bf16 (its matmuls are emulated; the
                         invariant float32-accumulating GEMM is faster)
                  -> off on a CPU with AVX512-BF16/AMX-BF16 at bf16/fp16 (oneDNN's native bf16
@@ -14,15 +19,18 @@
                         invariant linears cannot run (no native GEMM; no triton)
 
 Pure functions of a `HostFacts` record, so every case is testable on any machine;
-`host_facts()` reads the real host. Nothing here loads a model.
+`host_facts()` reads the real host, and `host_facts(probe=True)` adds the dtype probe's figures
+where `--dtype auto` needs them (a CPU with native bf16). Nothing here loads a model.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from evalrun.engine import dtype_probe
+from evalrun.engine.dtype_probe import BF16_MARGIN, Measure, ProbeResult
 from evalrun.kernels.cpu.host import cpu_flags
 
 AUTO = "auto"
@@ -42,6 +50,8 @@ class HostFacts:
     cuda_available: bool
     torch_cuda_build: Optional[str]          # torch.version.cuda; None for a CPU-only build
     cuda_devices: int = 0                    # torch.cuda.device_count()
+    dtype_probe: Optional[ProbeResult] = None    # bf16 vs float32 linears measured (host_facts(probe=True))
+    dtype_probe_skipped: Optional[str] = None    # why a CPU with native bf16 has no figures, e.g. the env
 
 
 @dataclass(frozen=True)
@@ -50,11 +60,32 @@ class Choice:
     requested: str
     value: str
     reason: str
+    probe: Optional[ProbeResult] = None      # the figures behind an auto dtype (manifest: engine_choices)
 
 
-def host_facts() -> HostFacts:
+def host_facts(probe: bool = False) -> HostFacts:
+    """This host's facts; probe: with the dtype probe's figures where the CPU has native bf16
+    (measured once per CPU, then read from the cache: evalrun/engine/dtype_probe.py)."""
     available = torch.cuda.is_available()
-    return HostFacts(cpu_flags(), available, torch.version.cuda, torch.cuda.device_count() if available else 0)
+    facts = HostFacts(cpu_flags(), available, torch.version.cuda, torch.cuda.device_count() if available else 0)
+    return with_dtype_probe(facts) if probe else facts
+
+
+def with_dtype_probe(facts: HostFacts, measure: Optional[Measure] = None) -> HostFacts:
+    """facts with the dtype probe's figures, or the reason there are none; unchanged on a CPU
+    without native bf16 (emulated bf16 is known slow: nothing is measured)."""
+    if not _native_bf16(facts):
+        return facts
+    if not dtype_probe.enabled():
+        return replace(facts, dtype_probe_skipped="not measured: EVALRUN_DTYPE_PROBE=0")
+    try:
+        return replace(facts, dtype_probe=dtype_probe.probe(facts.cpu_flags, measure))
+    except (RuntimeError, ValueError, OSError) as exc:
+        return replace(facts, dtype_probe_skipped=f"not measured: the probe failed: {exc}")
+
+
+def _native_bf16(facts: HostFacts) -> list[str]:
+    return [f for f in CPU_BF16_FLAGS if f in (facts.cpu_flags or frozenset())]
 
 
 def choose_device(requested: str, facts: HostFacts) -> Choice:
@@ -82,18 +113,27 @@ def choose_dtype(requested: str, device: str, facts: HostFacts) -> Choice:
         return Choice(requested, requested, "as given")
     if device.startswith("cuda"):
         return Choice(AUTO, "bfloat16", "CUDA device")
-    flags = facts.cpu_flags or frozenset()
-    native = [f for f in CPU_BF16_FLAGS if f in flags]
-    if native:
-        return Choice(AUTO, "bfloat16", f"the CPU has {'/'.join(native)}")
-    why = ("the CPU flags could not be read" if facts.cpu_flags is None
-           else "the CPU has no AVX512-BF16 or AMX-BF16: bf16 matmuls would be emulated, ~6x slower")
-    return Choice(AUTO, "float32", why)
+    native = "/".join(_native_bf16(facts))
+    if not native:
+        why = ("the CPU flags could not be read" if facts.cpu_flags is None
+               else "the CPU has no AVX512-BF16 or AMX-BF16: bf16 matmuls would be emulated, ~6x slower")
+        return Choice(AUTO, "float32", why)
+    probe = facts.dtype_probe
+    if probe is None:
+        return Choice(AUTO, "bfloat16", f"the CPU has {native} ({facts.dtype_probe_skipped or 'not measured'})")
+    figures = (f"bf16 linears {probe.ratio:.2f}x float32's time on this CPU "
+               f"(measured {probe.measured}, {'cached' if probe.cached else 'fresh'})")
+    if probe.ratio < BF16_MARGIN:
+        return Choice(AUTO, "bfloat16", f"the CPU has {native} and {figures}", probe)
+    return Choice(AUTO, "float32", f"the CPU has {native}, but {figures}: bf16 is chosen below {BF16_MARGIN}x",
+                  probe)
 
 
 def choose_deterministic(requested: str, device: str, dtype: str, facts: HostFacts,
-                         unavailable: Optional[str]) -> Choice:
-    """on/off. unavailable: why batch-invariant linears cannot run here (None: they can)."""
+                         unavailable: Optional[str], linears: Optional[tuple[str, str]] = None) -> Choice:
+    """on/off. unavailable: why batch-invariant linears cannot run here (None: they can).
+    linears: (the default, the batch-invariant) linear backend for (device, dtype), as
+    kernels.linear.linear_backend names them; None: not known."""
     if requested not in (AUTO, "on", "off"):
         raise SettingError(f"--deterministic must be auto, on or off, got {requested!r}")
     if requested == "off":
@@ -104,12 +144,15 @@ def choose_deterministic(requested: str, device: str, dtype: str, facts: HostFac
         return Choice(AUTO, "off", f"{unavailable}: results may change with the batch")
     if requested == "on":
         return Choice(requested, "on", "as given")
+    if linears is not None and linears[0] == linears[1]:
+        return Choice(AUTO, "on", f"the {dtype} linears run on the batch-invariant kernel ({linears[0]}) "
+                                  "by default: no cost")
     if device.startswith("cuda"):
         return Choice(AUTO, "off", "on CUDA the batch-invariant Triton linears' cost against cuBLAS is not measured "
                                    "yet; pass --deterministic on for results that do not change with the batch")
     if dtype == "float32":
         return Choice(AUTO, "on", "float32 linears are batch-invariant at no cost")
-    native = [f for f in CPU_BF16_FLAGS if f in (facts.cpu_flags or frozenset())]
+    native = _native_bf16(facts)
     if native:
         return Choice(AUTO, "off", f"the CPU has {'/'.join(native)}: its native {dtype} matmuls are several times "
                                    "faster than the batch-invariant float32-accumulating GEMM; pass "

@@ -90,7 +90,7 @@ class Manifest(TypedDict, total=False):
     dtype: str  # resolved: "float32", "bfloat16", "float16" (never "auto")
     device: str  # resolved: "cpu", "cuda", "cuda:N"
     cache_mode: str  # resolved: "fp32", "bf16", "fp16", "q8", "q6", "q4"
-    engine_choices: dict[str, dict[str, str]]  # per setting: {"requested", "value", "reason"}
+    engine_choices: dict[str, dict[str, Any]]  # per setting: {"requested", "value", "reason"}; an auto dtype measured by the dtype probe adds "probe": {"ratio", "margin", "float32_total_s", "bfloat16_total_s", "seconds": [{"linear", "shape", "rows", "float32", "bfloat16"}], "backends", "measured", "cached", "cache_file"}
     page_size: int
     cache_tokens: int  # tokens the cache holds (from --cache-tokens, or what --cache-memory fits)
     cache_bytes_per_token: int  # KV storage per token over all layers, scales included

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+
 from evalrun.engine.auto import (AUTO, Choice, HostFacts, SettingError, choose_cache_mode, choose_deterministic,
                                  choose_device, choose_dtype, host_facts)
 from evalrun.engine.cache import CACHE_MODES
-from evalrun.kernels.linear import invariant_unavailable_reason
+from evalrun.kernels.linear import invariant_unavailable_reason, linear_backend
 from evalrun.errors import BadInput
 
 
@@ -93,10 +95,15 @@ class EngineConfig:
             out["draft_model"] = str(Path(self.draft_model).resolve())
         return out
 
-    def choices_record(self) -> dict[str, dict[str, str]]:
-        """manifest["engine_choices"]: {"dtype": {"requested": "auto", "value": "float32", "reason": ...}}."""
-        return {name: {"requested": c.requested, "value": c.value, "reason": c.reason}
-                for name, c in self.choices.items()}
+    def choices_record(self) -> dict[str, dict[str, Any]]:
+        """manifest["engine_choices"]: {"dtype": {"requested": "auto", "value": "float32", "reason": ...}};
+        an auto dtype picked from the dtype probe adds "probe": its figures (dtype_probe.ProbeResult.record)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, c in self.choices.items():
+            out[name] = {"requested": c.requested, "value": c.value, "reason": c.reason}
+            if c.probe is not None:
+                out[name]["probe"] = c.probe.record()
+        return out
 
     def describe(self) -> str:
         """One line for the start of a run, e.g. "device cpu (auto: no CUDA device), dtype float32 (...)"."""
@@ -108,9 +115,11 @@ class EngineConfig:
 def engine_config(req: EngineRequest, stored: Optional[dict[str, Any]], run_dir: Path,
                   facts: Optional[HostFacts] = None) -> EngineConfig:
     """Resolve --device/--dtype/--cache-mode. `auto` takes the stored run's values when resuming
-    (so a run resumes the same on another host), else the host's best choice."""
-    facts = facts or host_facts()
+    (so a run resumes the same on another host), else the host's best choice.
+    facts: None reads this host, measuring bf16 against float32 only where an auto dtype on the CPU
+    needs it (auto.host_facts(probe=True)); given facts are used as they are."""
     kept = (stored or {}).get("identity", {})
+    facts = facts or host_facts(probe=_needs_dtype_probe(req, kept))
     try:
         device = _choose("device", req.device, kept, run_dir, lambda r: choose_device(r, facts))
         dtype = _choose("dtype", req.dtype, kept, run_dir, lambda r: choose_dtype(r, device.value, facts))
@@ -128,6 +137,11 @@ def engine_config(req: EngineRequest, stored: Optional[dict[str, Any]], run_dir:
                         req.draft_model, req.ngram_draft, req.num_draft_tokens, determ.value == "on", req.eager)
 
 
+def _needs_dtype_probe(req: EngineRequest, kept: dict[str, Any]) -> bool:
+    """--dtype auto on the CPU that is not a resume's stored dtype."""
+    return req.dtype == AUTO and req.device in (AUTO, "cpu") and not isinstance(kept.get("dtype"), str)
+
+
 def _deterministic(requested: str, dtype: str, device: str, facts: HostFacts, stored: Optional[dict[str, Any]],
                    run_dir: Path) -> Choice:
     """--deterministic resolved; `auto` resumes a stored run as it was made (a run from before the
@@ -139,7 +153,9 @@ def _deterministic(requested: str, dtype: str, device: str, facts: HostFacts, st
             raise SettingError(f"the run in {run_dir} was made with --deterministic on, which this host cannot "
                                f"resume ({unavailable}); resume it where that works, or start another --output-dir")
         return Choice(AUTO, kept, f"as stored by the run in {run_dir}")
-    return choose_deterministic(requested, device, dtype, facts, unavailable)
+    torch_dtype = getattr(torch, dtype)
+    linears = (linear_backend(device, torch_dtype), linear_backend(device, torch_dtype, invariant=True))
+    return choose_deterministic(requested, device, dtype, facts, unavailable, linears)
 
 
 def _choose(name: str, requested: str, kept: dict[str, Any], run_dir: Path,
