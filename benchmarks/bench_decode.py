@@ -44,11 +44,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.common import (start_run, warm_up_ours, add_prefault_arg, prefaulted, CACHE_MODE, TORCH_DTYPE, base_parser, positive_int, ratio, timed,
-                               paired_vllm_rounds, write_result)
+                               describe_dtype, dtype_fields, paired_vllm_rounds, write_result)
 from benchmarks.machine_roofs import (ModelWork, Roofs, best_roofs, format_roofs, measure_roofs, model_work,
                                       run_floor_s, step_floor_s)
 from benchmarks.decode_curve import curve_point, humaneval_texts, report_curve
-from benchmarks.paired import OtherCpu, round_pairs
+from benchmarks.paired import OtherCpu, counted_rounds, median_ratio, round_pairs
 from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_decode"
@@ -249,7 +249,7 @@ def print_side(label: str, f: dict[str, Any], extra: str = "") -> None:
 def run_curve(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
     model = load_ours(args, model_dir, tokenizer)
     print(f"curve: ours only, {args.curve_prompt_tokens}-token prompts x {args.new_tokens} new tokens, "
-          f"rows {args.curve}, dtype {args.dtype}")
+          f"rows {args.curve}, dtype {describe_dtype(args)}")
     return {"mode": "curve", "curve": [curve_point(args, model, tokenizer, rows) for rows in args.curve]}
 
 
@@ -261,7 +261,7 @@ def run_compare(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, A
     result: dict[str, Any] = {"prompts": args.n, "prompt_tokens": sum(map(len, prompts)),
                               "new_tokens_per_prompt": args.new_tokens, "new_tokens": args.n * args.new_tokens}
     print(f"decode: {args.n} HumanEval prompts ({result['prompt_tokens']} prompt tokens) x {args.new_tokens} new "
-          f"tokens = {result['new_tokens']} new tokens, greedy, dtype {args.dtype}, {args.rounds} round(s)")
+          f"tokens = {result['new_tokens']} new tokens, greedy, dtype {describe_dtype(args)}, {args.rounds} round(s)")
     model = load_ours(args, model_dir, tokenizer)
     sides: dict[str, list[list[int]]] = {}
     v: Optional[dict[str, Any]] = None
@@ -276,17 +276,17 @@ def run_compare(args: Any, model_dir: Path, tokenizer: Tokenizer) -> dict[str, A
         for r in range(args.rounds):
             ours.append(timed_ours(args, model, tokenizer, prompts))
             print(f"  round {r}: ours {ours[-1]['seconds']:.2f} s")
-    first = ours[0]
+    first, counted = ours[0], counted_rounds(ours)        # counted: rounds with the peer stopped throughout
     counts = [len(c) for c in first["completions"]]
-    result["ours"] = {"seconds": statistics.median(o["seconds"] for o in ours),
+    result["ours"] = {"seconds": statistics.median(ours[i]["seconds"] for i in counted),
                       "round_seconds": [o["seconds"] for o in ours],
                       "rounds_identical": all(o["completions"] == first["completions"] for o in ours),
-                      "last_first_token_s": statistics.median(o["last_first_token_s"] for o in ours),
+                      "last_first_token_s": statistics.median(ours[i]["last_first_token_s"] for i in counted),
                       "stats": dict(first["stats"]), "all_jobs_generated_exactly": counts == [args.new_tokens] * args.n}
     if v is not None:
         result["vllm"] = {k: v.get(k) for k in ("vllm_version", "load_seconds", "warmup_seconds", "round_seconds",
                                                 "rounds_identical", "sampling", "settings", "finish_reasons")}
-        result["vllm"]["seconds"] = statistics.median(v["round_seconds"])
+        result["vllm"]["seconds"] = statistics.median(v["round_seconds"][i] for i in counted)
         result["rounds"] = round_pairs(ours, v["round_seconds"])
         sides["vllm"] = v["token_ids"]
     if not args.skip_baseline:
@@ -338,16 +338,18 @@ def report_compare(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> Non
             result[key].update(side_figures(result[key]["seconds"], result, work, roofs))
             result[key]["time_ratio_vs_ours"] = ratio(result[key]["seconds"], o["seconds"])
             print_side(label, result[key], extra)
-    if "rounds" in result:                    # paired rounds: the median of the adjacent pairs' ratios
-        result["vllm"]["time_ratio_vs_ours"] = statistics.median(r["ratio"] for r in result["rounds"])
+    if "rounds" in result:                    # paired rounds: the median of the valid adjacent pairs' ratios
+        result["vllm"]["time_ratio_vs_ours"] = median_ratio(result["rounds"])
         print("vLLM / ours per round: " + ", ".join(f"{r['ratio']:.2f}x" for r in result["rounds"])
               + f" (ours' rounds token-identical: {o['rounds_identical']}, vLLM's: "
               f"{result['vllm']['rounds_identical']})")
     for key, out_key, label in (("transformers", "speedup", "transformers"), ("vllm", "speedup_vs_vllm", "vLLM")):
         if key in result:
             result[out_key] = result[key]["time_ratio_vs_ours"]
-            how = " (median of the paired rounds' ratios)" if key == "vllm" and "rounds" in result else ""
-            print(f"ratio {label} time / ours: {result[out_key]:.2f}x{how}")
+            how = " (median of the valid paired rounds' ratios)" if key == "vllm" and "rounds" in result else ""
+            value = result[out_key]
+            print(f"ratio {label} time / ours: " + ("none: no valid round" if value is None else f"{value:.2f}x")
+                  + how)
     if "token_identity" in result:
         identity = result["token_identity"]
         if "transformers" in identity:
@@ -368,8 +370,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     roofs = best_roofs(start, end)
     print(f"roofs at end:   {format_roofs(end)}")
     work = model_work(model_dir, DTYPE_BYTES[args.dtype])
-    result = {"benchmark": NAME, "machine": info, "config": {k: str(v) if isinstance(v, Path) else v
-                                                             for k, v in vars(args).items()},
+    result = {"benchmark": NAME, "machine": info, **dtype_fields(args),
+              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "roofs": {"start": start, "end": end, "used": roofs}, "model_work": work, **result}
     if args.curve:
         report_curve(result, work, roofs)

@@ -11,7 +11,7 @@ logits at its last position ("Answer:"), from which the log-probs of " A".." D" 
 Both sides get the same token ids (tokenized once, no BOS) and the same dtype; model
 loading and a tiny warm-up are excluded from the timings.
 
-    python -m benchmarks.bench_mmlu_shaped [--n 160] [--dtype float32] [--skip-baseline]
+    python -m benchmarks.bench_mmlu_shaped [--n 160] [--dtype float32|bfloat16|auto] [--skip-baseline]
     python -m benchmarks.bench_mmlu_shaped --sample 300 --vllm-python /path/to/vllm-venv/bin/python
 
 `--sample N` draws N questions from all 57 subjects (a slice of a full MMLU run, so far
@@ -20,7 +20,8 @@ on the same ids (benchmarks/vllm_runner.py in that interpreter; its start-up is 
 `--rounds R` (default 3) times ours R times, each on a fresh cache; with vLLM the rounds are paired
 (benchmarks/paired.py: ours and vLLM alternate ABBA, vLLM's prefix cache reset per round) and the
 vLLM ratio is the median of the rounds' ratios, since this kind of machine drifts by tens of
-percent within minutes.
+percent within minutes. A round in which vLLM was not stopped while ours ran (paired.py) is kept in
+the result with `valid: false` and left out of the medians.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.common import (start_run, warm_up_ours, add_prefault_arg, prefaulted, CACHE_MODE, CHOICE_LETTERS, DEFAULT_MMLU_DIR, TORCH_DTYPE, base_parser,
-                               load_mmlu, mmlu_prompt, positive_int, ratio, select_mmlu,
+                               describe_dtype, dtype_fields, load_mmlu, mmlu_prompt, positive_int, ratio, select_mmlu,
                                paired_vllm_rounds, timed, write_result)
-from benchmarks.paired import round_pairs
+from benchmarks.paired import counted_rounds, median_ratio, round_pairs
 from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 
 NAME = "bench_mmlu_shaped"
@@ -119,8 +120,10 @@ def run_ours(args: Any, model: Model, tokenizer: Tokenizer, questions: list[Ques
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median time, with every round's seconds and whether all rounds agreed bitwise."""
-    pick = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+    """The run of median time among the counted rounds (paired.counted_rounds), with every round's
+    seconds and whether all rounds agreed bitwise."""
+    counted = sorted((runs[i] for i in counted_rounds(runs)), key=lambda r: r["seconds"])
+    pick = counted[(len(counted) - 1) // 2]
     return {**pick, "round_seconds": [r["seconds"] for r in runs],
             "rounds_identical": all(torch.equal(r["logprobs"], runs[0]["logprobs"]) for r in runs)}
 
@@ -167,7 +170,7 @@ def rounds_with_vllm(args: Any, model_dir: Path, model: Model, tokenizer: Tokeni
                                  {"prompts": [q.ids for q in questions], "choice_ids": choice_ids}, args.rounds,
                                  lambda: run_ours(args, model, tokenizer, questions, choice_ids))
     v["logprobs"] = torch.tensor(v.pop("choice_logprobs"), dtype=torch.float32)
-    v["seconds"] = statistics.median(v["round_seconds"])
+    v["seconds"] = statistics.median(v["round_seconds"][i] for i in counted_rounds(ours))
     return ours, v
 
 
@@ -231,16 +234,17 @@ def report_vllm(result: dict[str, Any], ours: dict[str, Any], vllm: dict[str, An
     result["vllm"] = {**v, **{k: vllm.get(k) for k in ("vllm_version", "load_seconds", "warmup_seconds",
                                                        "method", "settings")}}
     result["speedup_vs_vllm"] = ratio(vllm["seconds"], ours["seconds"])
-    if "rounds" in result:                    # paired rounds: the median of the adjacent pairs' ratios
-        result["speedup_vs_vllm"] = statistics.median(r["ratio"] for r in result["rounds"])
+    if "rounds" in result:                    # paired rounds: the median of the valid adjacent pairs' ratios
+        result["speedup_vs_vllm"] = median_ratio(result["rounds"])
         result["vllm"].update(round_seconds=vllm["round_seconds"], rounds_identical=vllm["rounds_identical"])
         print("vLLM / ours per round: " + ", ".join(f"{r['ratio']:.2f}x" for r in result["rounds"]))
     result["cross_check_vllm"] = check = cross_check(ours["logprobs"], vllm["logprobs"])
     print(f"vLLM {vllm.get('vllm_version')}: {v['seconds']:8.2f} s  {v['questions_per_s']:7.2f} q/s  "
           f"{v['prompt_tokens_per_s']:8.0f} prompt tok/s  acc {v['accuracy']:.4f}  "
           f"(prefix caching; engine start {vllm.get('load_seconds', float('nan')):.1f} s not counted)")
-    print(f"speedup (vLLM time / ours): {result['speedup_vs_vllm']:.2f}x"
-          + (" (median of the paired rounds' ratios)" if "rounds" in result else ""))
+    speedup = result["speedup_vs_vllm"]
+    print("speedup (vLLM time / ours): " + ("none: no round had vLLM stopped" if speedup is None else f"{speedup:.2f}x")
+          + (" (median of the valid paired rounds' ratios)" if "rounds" in result else ""))
     print(f"cross-check vs vLLM: argmax agreement {check['agreement']:.4f} ({check['disagreements']} differ), "
           f"max |Δ logprob| {check['max_abs_logprob_diff']:.3e}")
 
@@ -253,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     n, prompt_tokens = len(questions), sum(len(q.ids) for q in questions)
     where = f"a random sample of all subjects, seed {args.seed}" if args.sample else args.subjects
     print(f"MMLU-shaped: {n} questions ({where}), {prompt_tokens} prompt tokens "
-          f"(mean {prompt_tokens / n:.0f}), dtype {args.dtype}")
+          f"(mean {prompt_tokens / n:.0f}), dtype {describe_dtype(args)}")
     model = load_ours(args, model_dir, tokenizer)
     runs, vllm = None, None
     error: Optional[str] = None
@@ -270,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             print(f"  round {r}: ours {runs[-1]['seconds']:.2f} s")
     ours = median_run(runs)
     result: dict[str, Any] = {
-        "benchmark": NAME, "machine": info,
+        "benchmark": NAME, "machine": info, **dtype_fields(args),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "questions": n, "prompt_tokens": prompt_tokens,
         "ours": report_ours(ours, questions, prompt_tokens),

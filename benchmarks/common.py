@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from evalrun import process
+from evalrun.engine.auto import Choice, choose_dtype, host_facts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "bench_out"
@@ -34,16 +35,54 @@ CHOICE_LETTERS = ("A", "B", "C", "D")
 
 
 # --- command line and results -------------------------------------------------
+class BenchParser(argparse.ArgumentParser):
+    """base_parser's parser. Parsing also resolves --dtype, once, before anything is timed
+    (resolve_dtype): `args.dtype` is then the dtype every engine runs in, `args.dtype_requested`
+    what was asked and `args.dtype_reason` why (dtype_fields puts the three in a result)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        try:
+            choice = resolve_dtype(parsed.dtype)
+        except ValueError as e:
+            self.error(str(e))
+        parsed.dtype_requested, parsed.dtype, parsed.dtype_reason = parsed.dtype, choice.value, choice.reason
+        return parsed, rest
+
+
 def base_parser(name: str, description: str) -> argparse.ArgumentParser:
     """The options every benchmark takes: --dtype, --skip-baseline, --out."""
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
-    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPE), default="float32",
-                        help="weights/activations dtype of BOTH engines (default float32); the KV cache "
-                             "matches it")
+    parser = BenchParser(prog=f"python -m benchmarks.{name}", description=description)
+    parser.add_argument("--dtype", choices=("auto", *sorted(TORCH_DTYPE)), default="float32",
+                        help="weights/activations dtype of BOTH engines (default float32); auto: what "
+                             "evalrun's own --dtype auto picks on this CPU (evalrun/engine/auto.py), resolved "
+                             "once at start; the KV cache matches it")
     parser.add_argument("--skip-baseline", action="store_true", help="time only our engine")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / f"{name}.json",
                         help=f"JSON result file (default: bench_out/{name}.json)")
     return parser
+
+
+def resolve_dtype(requested: str) -> Choice:
+    """--dtype -> the dtype every engine of a benchmark runs in, as a Choice (requested, value,
+    reason). `auto` is what evalrun's engine picks on this host's CPU (engine/auto.py decides;
+    this only asks it). ValueError if that is a dtype the benchmarks do not run."""
+    choice = choose_dtype(requested, "cpu", host_facts())
+    if choice.value not in TORCH_DTYPE:
+        raise ValueError(f"--dtype {requested} resolved to {choice.value} ({choice.reason}); the benchmarks "
+                         f"run {' or '.join(sorted(TORCH_DTYPE))}")
+    return choice
+
+
+def dtype_fields(args: argparse.Namespace) -> dict[str, str]:
+    """A result's record of the dtype: as asked, as resolved (what ran), and why."""
+    return {"dtype_requested": args.dtype_requested, "dtype": args.dtype, "dtype_reason": args.dtype_reason}
+
+
+def describe_dtype(args: argparse.Namespace) -> str:
+    """'float32', or 'float32 (auto: <why>)' when it was chosen."""
+    return args.dtype if args.dtype_requested == args.dtype else (
+        f"{args.dtype} ({args.dtype_requested}: {args.dtype_reason})")
 
 
 def add_prefault_arg(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,11 @@ during each of our ~14 s decode rounds on a 2-core machine (0.04 s in 15 s witho
 idle process takes none during the peer's rounds. Each engine then has the machine to itself.
 `OtherCpu` says how much CPU other processes and the hypervisor (steal) took while one side was
 timed, so a reader can see what else ran.
+
+The stop is checked, not assumed: at the start of each of our rounds (after up to STOP_WAIT_S for
+SIGSTOP to land) and at its end, every thread of every process in the peer's process group must be
+stopped (`runnable_threads`). A round where one is not is printed as a warning, recorded with the
+threads it found, and left out of the medians (`valid: false`; it stays in the result).
 """
 from __future__ import annotations
 
@@ -24,14 +29,19 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator, Optional
 
 PREFIX = "@@evalrun "
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+STOP_WAIT_S = 1.0                 # how long SIGSTOP may take to land on every thread
+NOT_RUNNABLE = frozenset("TtZX")  # stopped, traced-stopped; zombie and dead threads cannot run either
+EXITED = frozenset("ZX")           # zombie, dead
 
 
 class PeerError(RuntimeError):
@@ -58,13 +68,20 @@ class PairedPeer:
         return float(json.loads(msg)["seconds"])
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """The peer's processes stopped for the block (they are between rounds, waiting)."""
+    def paused(self) -> Iterator["PauseCheck"]:
+        """The peer's processes stopped for the block (they are between rounds, waiting). Yields a
+        PauseCheck: the threads still runnable once the stop had STOP_WAIT_S to land, and (filled
+        in as the block ends, before SIGCONT) those runnable at its end."""
         self._signal(signal.SIGSTOP)
+        check = PauseCheck([])
         try:
-            yield
+            check.runnable_start = wait_for_threads(self.proc.pid, NOT_RUNNABLE, STOP_WAIT_S)
+            yield check
         finally:
-            self._signal(signal.SIGCONT)
+            try:
+                check.runnable_end = runnable_threads(self.proc.pid)
+            finally:
+                self._signal(signal.SIGCONT)
 
     def _signal(self, sig: int) -> None:
         if self.proc.poll() is None:
@@ -89,6 +106,7 @@ class PairedPeer:
         if self.proc.poll() is None:
             self._signal(signal.SIGKILL)               # the engine processes it started too
             self.proc.wait()
+            wait_for_threads(self.proc.pid, EXITED, 2.0)   # each dies when next scheduled, not at once
         self._stderr.close()
 
     def __enter__(self) -> "PairedPeer":
@@ -134,19 +152,83 @@ class PairedPeer:
         return self._stderr.read()[-chars:]
 
 
+@dataclass
+class PauseCheck:
+    """The peer's threads found runnable ("pid/tid state") while it should have been stopped."""
+    runnable_start: list[str]
+    runnable_end: list[str] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.runnable_start and not self.runnable_end
+
+
+def thread_states(pgid: int) -> dict[str, str]:
+    """{"pid/tid": state} for every thread of every process in process group `pgid`; the state is
+    field 3 of /proc/<pid>/task/<tid>/stat (R running, S/D sleeping, T/t stopped, Z zombie). A
+    process or thread that ends while it is read is left out."""
+    states: dict[str, str] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        stat = _read_stat(f"/proc/{entry.name}/stat")
+        if stat is None or int(stat[2]) != pgid:            # stat[2]: pgrp
+            continue
+        try:
+            tids = [t.name for t in os.scandir(f"/proc/{entry.name}/task")]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for tid in tids:
+            task = _read_stat(f"/proc/{entry.name}/task/{tid}/stat")
+            if task is not None:
+                states[f"{entry.name}/{tid}"] = task[0]
+    return states
+
+
+def runnable_threads(pgid: int, done: frozenset[str] = NOT_RUNNABLE) -> list[str]:
+    """The threads of process group `pgid` whose state is not in `done` (default: not stopped), as
+    "pid/tid state"."""
+    return [f"{key} {state}" for key, state in thread_states(pgid).items() if state not in done]
+
+
+def wait_for_threads(pgid: int, done: frozenset[str], timeout_s: float) -> list[str]:
+    """runnable_threads(pgid, done), polled until it is empty or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while (left := runnable_threads(pgid, done)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
+
+
+def _read_stat(path: str) -> Optional[list[str]]:
+    """The fields of a /proc stat file after the command name (which may hold spaces and ')'):
+    [state, ppid, pgrp, ...]; None if the process or thread is gone."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
 def alternate(peer: PairedPeer, rounds: int, ours: Callable[[], dict[str, Any]],
               name: str = "vLLM") -> tuple[list[dict[str, Any]], list[float]]:
     """`rounds` paired rounds, ABBA: our run first in even rounds, the peer's first in odd ones.
     Each of our runs (`ours()`, a dict with "seconds") runs with the peer paused and gets
-    `other_cpu_s` and `steal_s` (OtherCpu); one line per round is printed. Returns (our runs, the
-    peer's seconds per round)."""
+    `other_cpu_s` and `steal_s` (OtherCpu), `peer_runnable_threads_start` / `_end` (PauseCheck)
+    and `valid` (no peer thread was runnable); one line per round is printed. Returns (our runs,
+    the peer's seconds per round)."""
     runs: list[dict[str, Any]] = []
     theirs: list[float] = []
 
     def timed() -> None:
-        with peer.paused(), OtherCpu() as cpu:
+        with peer.paused() as pause, OtherCpu() as cpu:
             run = ours()
-        run.update(other_cpu_s=cpu.other_s, steal_s=cpu.steal_s)
+        run.update(other_cpu_s=cpu.other_s, steal_s=cpu.steal_s, peer_runnable_threads_start=pause.runnable_start,
+                   peer_runnable_threads_end=pause.runnable_end, valid=pause.valid)
+        if not pause.valid:
+            print(f"  WARNING: {name} was not stopped during our round {len(runs)} (runnable threads at its "
+                  f"start {pause.runnable_start}, at its end {pause.runnable_end}): the round is left out "
+                  f"of the medians")
         runs.append(run)
 
     for r in range(rounds):
@@ -159,15 +241,30 @@ def alternate(peer: PairedPeer, rounds: int, ours: Callable[[], dict[str, Any]],
         o = runs[-1]
         print(f"  round {r}: ours {o['seconds']:.2f} s, {name} {theirs[-1]:.2f} s, {name} / ours "
               f"{theirs[-1] / o['seconds']:.2f}x (during ours: others' CPU {o['other_cpu_s']:.1f} s, "
-              f"steal {o['steal_s']:.1f} s)")
+              f"steal {o['steal_s']:.1f} s)" + ("" if o["valid"] else f"; INVALID: {name} not stopped"))
     return runs, theirs
 
 
 def round_pairs(runs: list[dict[str, Any]], theirs: list[float], name: str = "vllm") -> list[dict[str, Any]]:
     """The result's per-round records of `alternate`'s output."""
     return [{"ours_s": o["seconds"], f"{name}_s": t, "ratio": t / o["seconds"],
-             "others_cpu_s_during_ours": o["other_cpu_s"], "steal_s_during_ours": o["steal_s"]}
+             "others_cpu_s_during_ours": o["other_cpu_s"], "steal_s_during_ours": o["steal_s"],
+             "peer_runnable_threads_start": o["peer_runnable_threads_start"],
+             "peer_runnable_threads_end": o["peer_runnable_threads_end"], "valid": o["valid"]}
             for o, t in zip(runs, theirs)]
+
+
+def counted_rounds(runs: list[dict[str, Any]]) -> list[int]:
+    """Indices of the rounds that the seconds medians count: the valid ones (an unpaired run has no
+    `valid` and counts), or every round when none is valid (median_ratio is then None)."""
+    valid = [i for i, run in enumerate(runs) if run.get("valid", True)]
+    return valid or list(range(len(runs)))
+
+
+def median_ratio(pairs: list[dict[str, Any]]) -> Optional[float]:
+    """The median of the valid rounds' ratios (round_pairs records); None when no round is valid."""
+    ratios = [p["ratio"] for p in pairs if p["valid"]]
+    return statistics.median(ratios) if ratios else None
 
 
 class OtherCpu:

@@ -26,7 +26,9 @@ def base_parser(description):
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--in", dest="inp", required=True, help="input prompts JSON")
     p.add_argument("--out", required=True, help="output result JSON")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="float32",
+                   help="vLLM's dtype; the caller resolves an `auto` first (vLLM's own auto would take the "
+                        "checkpoint's dtype, not the one our engine runs)")
     p.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
                    default=True, help="enable vLLM automatic prefix caching (default: on)")
     p.add_argument("--max-model-len", type=int, default=4096)
