@@ -65,9 +65,10 @@ def base_parser(name: str, description: str) -> argparse.ArgumentParser:
 
 def resolve_dtype(requested: str) -> Choice:
     """--dtype -> the dtype every engine of a benchmark runs in, as a Choice (requested, value,
-    reason). `auto` is what evalrun's engine picks on this host's CPU (engine/auto.py decides;
-    this only asks it). ValueError if that is a dtype the benchmarks do not run."""
-    choice = choose_dtype(requested, "cpu", host_facts())
+    reason). `auto` is what evalrun's engine picks on this host's CPU (engine/auto.py decides,
+    with the dtype probe's figures as engine_config asks for them; this only asks it). ValueError
+    if that is a dtype the benchmarks do not run."""
+    choice = choose_dtype(requested, "cpu", host_facts(probe=requested == "auto"))
     if choice.value not in TORCH_DTYPE:
         raise ValueError(f"--dtype {requested} resolved to {choice.value} ({choice.reason}); the benchmarks "
                          f"run {' or '.join(sorted(TORCH_DTYPE))}")

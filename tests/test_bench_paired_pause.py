@@ -103,22 +103,25 @@ def test_dtype_auto_resolves_through_choose_dtype(monkeypatch):
     asked = []
 
     def fake_choose(requested, device, facts):
-        asked.append((requested, device))
+        asked.append((requested, device, facts))
         return Choice(requested, "bfloat16", "the test says so") if requested == "auto" else \
             Choice(requested, requested, "as given")
 
+    monkeypatch.setattr(common, "host_facts", lambda probe=False: probe)   # no probe timed in a test
     monkeypatch.setattr(common, "choose_dtype", fake_choose)
     args = common.base_parser("bench_x", "x").parse_args(["--dtype", "auto"])
-    assert asked == [("auto", "cpu")]
+    assert asked == [("auto", "cpu", True)]                 # auto asks for the probe, as engine_config does
     assert common.dtype_fields(args) == {"dtype_requested": "auto", "dtype": "bfloat16",
                                          "dtype_reason": "the test says so"}
     assert common.CACHE_MODE[args.dtype] == "bf16"
     default = common.base_parser("bench_x", "x").parse_args([])
+    assert asked[-1] == ("float32", "cpu", False)
     assert common.dtype_fields(default) == {"dtype_requested": "float32", "dtype": "float32",
                                             "dtype_reason": "as given"}
 
 
 def test_dtype_auto_that_the_benchmarks_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(common, "host_facts", lambda probe=False: None)
     monkeypatch.setattr(common, "choose_dtype", lambda r, d, f: Choice(r, "float16", "a future rule"))
     with pytest.raises(SystemExit):
         common.base_parser("bench_x", "x").parse_args(["--dtype", "auto"])
