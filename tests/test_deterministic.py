@@ -139,7 +139,9 @@ def test_the_setting_is_part_of_the_run_identity(tiny_model_dir, tmp_path, capsy
     assert _cli(*args, "--output-dir", str(out), "--deterministic", "on") == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["identity"]["deterministic"] is True and manifest["deterministic"] is True
-    assert manifest["kernels"]["linear"] == "native-gemm" and manifest["cuda_graphs"] is False
+    bf16 = manifest["engine_choices"]["dtype"]["value"] == "bfloat16"       # auto: as this CPU measures
+    assert manifest["kernels"]["linear"] == ("native-bf16" if bf16 else "native-gemm")
+    assert manifest["cuda_graphs"] is False
     assert manifest["engine_choices"]["deterministic"]["value"] == "on"
     assert _cli(*args, "--output-dir", str(out), "--deterministic", "off") == 2
     assert "deterministic" in capsys.readouterr().err

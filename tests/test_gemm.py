@@ -172,9 +172,17 @@ def test_linear_backend_choice(monkeypatch):
     """native by default here; EVALRUN_LINEAR picks another; EVALRUN_NATIVE=0 falls back with a reason."""
     from evalrun.kernels.linear import linear_backend
     assert linear_backend("cpu", torch.float32) == "native-gemm"
-    assert linear_backend("cpu", torch.bfloat16) == "torch"
+    from evalrun.kernels.cpu import gemm_bf16
+    # bf16: the bf16 GEMM where the CPU has vdpbf16ps, else torch's; batch-invariant: the bf16 GEMM
+    # wherever it builds (its emulated tiles give the same bits)
+    assert linear_backend("cpu", torch.bfloat16) == ("native-bf16" if gemm_bf16.native_instructions() else "torch")
+    assert linear_backend("cpu", torch.bfloat16, invariant=True) == "native-bf16"
+    assert linear_backend("cpu", torch.float16, invariant=True) == "native-gemm"
+    assert linear_backend("cpu", torch.float16) == "torch"
     monkeypatch.setenv("EVALRUN_LINEAR", "torch")
     assert linear_backend("cpu", torch.float32) == "torch"
+    assert linear_backend("cpu", torch.bfloat16) == "torch"
+    assert linear_backend("cpu", torch.bfloat16, invariant=True) == "native-bf16"
     monkeypatch.setenv("EVALRUN_LINEAR", "native")
     monkeypatch.setenv("EVALRUN_NATIVE", "0")
     assert gemm.unavailable_reason() == "native kernels are disabled (EVALRUN_NATIVE=0)"

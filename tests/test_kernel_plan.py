@@ -73,7 +73,10 @@ def test_the_manifest_names_what_ran(tiny_kv32_dir, monkeypatch, forced, dtype, 
     if forced == "native-cpu":
         assert kernels["decode_attention"] == "native-c"
         assert kernels["decode_step"] == ("native-c" if (dtype, mode) == ("float32", "fp32") else "off")
-        assert kernels["norm_act"] == ("native-c" if dtype == "float32" else "torch")
+        # a bf16 model on the bf16 GEMM keeps a float32 residual stream: the float32 element-wise kernels
+        float_rows = dtype == "float32" or kernels["linear"] == "native-bf16"
+        assert kernels["stream"] == ("float32" if float_rows else dtype)
+        assert kernels["norm_act"] == ("native-c" if float_rows else "torch")
         assert kernels["head_norm"] == "native-c"                   # the head's rows are float32 in every dtype
         if not KV_FORMATS[mode].quantized:                          # float32 pages: written by the rope kernel
             assert kernels["kv_write"] == ("native-c rope_write" if dtype == "float32" else "torch")
@@ -117,8 +120,15 @@ def test_plan_fields_follow_the_key():
     plan = NativeCpuKernels().plan(key)
     assert plan.decode_step and not plan.cuda_graphs and plan.backend == "native-cpu"
     assert plan.rope_write_kv is not TorchKernels().plan(key).rope_write_kv
-    bf16 = NativeCpuKernels().plan(dataclasses.replace(key, dtype=torch.bfloat16, fmt=KV_FORMATS["bf16"]))
-    assert not bf16.decode_step and bf16.rms_norm is rms_norm_reference and bf16.names["rope_write"] == "torch"
+    bf16_key = dataclasses.replace(key, dtype=torch.bfloat16, fmt=KV_FORMATS["bf16"])
+    bf16 = NativeCpuKernels().plan(bf16_key)
+    if bf16_key.linear == "native-bf16":         # the bf16 GEMM: a float32 stream through the float32 kernels
+        assert bf16.stream_dtype == torch.float32 and bf16.rms_norm is not rms_norm_reference
+    else:
+        assert bf16.stream_dtype is None and bf16.rms_norm is rms_norm_reference and not bf16.decode_step
+    fp16 = NativeCpuKernels().plan(dataclasses.replace(key, dtype=torch.float16, fmt=KV_FORMATS["fp16"]))
+    assert not fp16.decode_step and fp16.rms_norm is rms_norm_reference and fp16.names["rope_write"] == "torch"
+    assert fp16.stream_dtype is None
     odd = NativeCpuKernels().plan(dataclasses.replace(key, head_dim=24))    # not a multiple of 16
     assert odd.names["prefill_attention"] == "torch-sdpa" and odd.names["decode_attention"] == "native-c"
     assert TorchKernels().plan(key).names["decode_step"] == "off"

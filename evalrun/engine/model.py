@@ -52,7 +52,14 @@ def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: boo
         key = plan_key(config, fmt, page_size, device, DTYPES[dtype], deterministic)
     plan = choose_kernels(device, deterministic).plan(key)
     return {"backend": plan.backend, "linear": key.linear,
-            "lm_head": linear_backend(device, torch.float32, deterministic), **plan.describe()}
+            "lm_head": linear_backend(device, head_dtype(device, key.dtype, deterministic), deterministic),
+            **plan.describe()}
+
+
+def head_dtype(device: "str | torch.device", dtype: torch.dtype, deterministic: bool = False) -> torch.dtype:
+    """The LM head's weight dtype: float32 (it reads float32 rows), except on the bf16 GEMM, where a
+    bf16 model's head is bf16 like its layers (half the bytes each decode step streams)."""
+    return dtype if linear_backend(device, dtype, deterministic) == "native-bf16" else torch.float32
 
 
 @dataclass
@@ -86,7 +93,7 @@ class Model:
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm           # float32: the head runs in float32
-        self.lm_head = lm_head                 # [V, H] float32 (prepacked on CPU: ~2x at 32 rows)
+        self.lm_head = lm_head                 # [V, H] head_dtype(): float32, or bf16 on the bf16 GEMM
         cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
         self.rope_cos = cos.to(device)
         self.rope_sin = sin.to(device)
@@ -110,7 +117,7 @@ class Model:
         cuda_graphs: on CUDA with the Triton kernels, pure decode steps replay CUDA graphs
         (evalrun/engine/cuda_graphs.py); False runs every step eagerly."""
         if dtype == "auto":
-            dtype = choose_dtype("auto", device, host_facts()).value
+            dtype = choose_dtype("auto", device, host_facts(probe=not device.startswith("cuda"))).value
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -157,8 +164,10 @@ class Model:
         """forward without CUDA graphs."""
         cfg, plan = self.config, cache.kernels
         x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
-        cos = self.rope_cos.index_select(0, batch.positions).to(self.dtype)   # [T, D]
-        sin = self.rope_sin.index_select(0, batch.positions).to(self.dtype)
+        if plan.stream_dtype is not None:                                 # the plan's residual stream
+            x = x.to(plan.stream_dtype)
+        cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)  # [T, D]
+        sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)
         step = self._decode_step(cache)
         if step is not None and step.applies(batch.attn, x.shape[0]):
             x = step.run(x, cos, sin, batch.slot_mapping, batch.attn)         # every layer, one native call
@@ -255,6 +264,6 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
         ))
     embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=torch.float32)
+    lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=head_dtype(device, dtype, deterministic))
     final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
     return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device, kernels, deterministic)

@@ -89,6 +89,10 @@ class KernelPlan:
     decode_step: bool            # the native all-layer decode step (kernels/cpu/decode_step.py) runs decode batches
     cuda_graphs: bool            # decode steps may be captured as CUDA graphs (no host sync in any op)
     names: dict[str, str] = field(default_factory=dict)
+    # the residual stream's dtype between the ops, None: the model's. The native CPU plan of a bf16
+    # model on the bf16 GEMM keeps it float32: weights and pages are bf16, each GEMM rounds its rows
+    # to bf16 and accumulates in float32, and the element-wise ops run on the float32 rows
+    stream_dtype: Optional[torch.dtype] = None
 
     def describe(self) -> dict[str, str]:
         """What runs each op (recorded in run manifests)."""
@@ -130,6 +134,11 @@ def _gate_up_silu_gemm(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
     return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
 
 
+def _rms_norm_f32_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The native RMSNorm of float32 rows with a bf16 model's weights (widened: exact)."""
+    return native_fused.rms_norm_native(x, w if w.dtype == torch.float32 else w.float(), eps)
+
+
 def _heads_fit(key: PlanKey) -> bool:
     return key.num_kv_heads >= 1 and key.num_heads % key.num_kv_heads == 0
 
@@ -149,7 +158,8 @@ class TorchKernels:
                           rms_norm_reference, rms_norm_reference, _gate_up_silu(silu_mul_reference), False, False,
                           {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
                            "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
-                           "decode_step": "off", "cuda_graphs": "off"})
+                           "decode_step": "off", "cuda_graphs": "off",
+                           "stream": str(key.dtype).removeprefix("torch.")})
 
     # one op on one layer, through the plan of its key (tests and benchmarks; the engine calls its plan)
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
@@ -171,7 +181,8 @@ class NativeCpuKernels(TorchKernels):
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
         ref = super()._resolve(key)
-        fmt, f32 = key.fmt, key.dtype == torch.float32
+        fmt, bf16_gemm = key.fmt, key.dtype == torch.bfloat16 and key.linear == "native-bf16"
+        f32 = key.dtype == torch.float32 or bf16_gemm          # the rows the element-wise ops see
         if not key.standard_layout:
             return KernelPlan(**{**ref.__dict__, "backend": self.name})
         if key.device != "cpu":
@@ -193,7 +204,9 @@ class NativeCpuKernels(TorchKernels):
         if fused_ok and f32 and not fmt.quantized and fmt.dtype == torch.float32:
             rope, names["rope_write"] = _rope_write_native, "native-c"
             names["kv_write"] = "native-c rope_write"        # the model's K/V are written by the rope kernel
-        norm = native_fused.rms_norm_native if fused_ok and f32 else rms_norm_reference
+        norm = rms_norm_reference
+        if fused_ok and f32:
+            norm = _rms_norm_f32_rows if bf16_gemm else native_fused.rms_norm_native
         head = native_fused.rms_norm_native if fused_ok else rms_norm_reference
         silu = native_fused.silu_mul_native if fused_ok and f32 else silu_mul_reference
         gate_up, names["gate_up_silu"] = _gate_up_silu(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
@@ -204,8 +217,9 @@ class NativeCpuKernels(TorchKernels):
         step = (fused_ok and f32 and key.linear == "native-gemm" and not fmt.quantized and fmt.dtype == torch.float32
                 and decode_step.available())
         names["decode_step"] = "native-c" if step else "off"
+        names["stream"] = "float32" if bf16_gemm else names["stream"]
         return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill), rope,
-                          norm, head, gate_up, step, False, names)
+                          norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None)
 
 
 class TritonKernels(TorchKernels):

@@ -11,8 +11,16 @@ in order of preference (`linear_backend`):
 `EVALRUN_LINEAR=native|onednn|torch` asks for one (benchmarks compare them); a kernel that cannot
 run here is replaced by the next when the weight is packed, with a logged reason.
 
+CPU bfloat16 kernel:
+  native-bf16       kernels/cpu/csrc/gemm_bf16.c: bf16 weight panels, rows rounded to bf16, products
+                    accumulated in float32 in `vdpbf16ps` order (AVX512_BF16) — batch-invariant by
+                    construction, so deterministic mode costs nothing in bf16. The default where the
+                    CPU has AVX512_BF16; elsewhere bf16 linears are torch's (emulated bf16), and the
+                    bf16 GEMM's emulated tiles (the same bits, slower) serve deterministic mode.
+
 Batch-invariant linears (`make_linear(..., invariant=True)`, the engine's deterministic mode): the
-native GEMM for every CPU dtype, whatever EVALRUN_LINEAR says. A bfloat16/float16 weight is
+bf16 GEMM for bfloat16 weights (native or emulated: the same bits on every CPU), the float32
+native GEMM for the other CPU dtypes, whatever EVALRUN_LINEAR says. A bfloat16/float16 weight is
 widened to float32 panels (exact), the rows are widened (exact), each output is one float32 FMA
 chain over k in order (a product of two bf16 values is exact in float32, so this is bf16 inputs
 with float32 accumulation, as tensor cores do), and the result is rounded to the rows' dtype
@@ -29,8 +37,9 @@ from typing import Optional
 
 import torch
 
-from .cpu import gemm, native
-from .cpu.linear import linear_gemm, linear_gemm_widening, linear_onednn, onednn_available, onednn_pack
+from .cpu import gemm, gemm_bf16, native
+from .cpu.linear import (linear_bf16, linear_gemm, linear_gemm_widening, linear_onednn, onednn_available,
+                         onednn_pack)
 from .cuda.triton_linear import linear_invariant_triton
 from .ref.linear import Linear, linear_reference
 
@@ -55,13 +64,17 @@ def linear_backend(device: str | torch.device, dtype: torch.dtype, invariant: bo
     in that order of preference), else "torch"; batch-invariant linears "native-gemm" on the CPU
     (any dtype) and "triton-linear" on CUDA."""
     if invariant:
-        return "triton-linear" if torch.device(device).type == "cuda" else "native-gemm"
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        if torch.device(device).type == "cuda":
+            return "triton-linear"
+        return "native-bf16" if dtype == torch.bfloat16 and gemm_bf16.available() else "native-gemm"
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return "torch"
     choice = os.environ.get("EVALRUN_LINEAR", "").strip().lower() or "native"
     if choice not in BACKENDS:
         _note_once(f"EVALRUN_LINEAR={choice!r} is not one of {', '.join(BACKENDS)}: using the default")
         choice = "native"
+    if dtype == torch.bfloat16:
+        return "native-bf16" if choice == "native" and gemm_bf16.native_instructions() else "torch"
     if choice == "native":
         reason = gemm.unavailable_reason()
         if reason is None:
@@ -100,9 +113,15 @@ def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack:
         if weight.device.type == "cuda":
             return Linear(weight.contiguous(), bias, invariant=True, kernel=linear_invariant_triton,
                           kernel_name="triton-linear")
+        if linear_backend(weight.device, weight.dtype, invariant=True) == "native-bf16":
+            return Linear(weight, bias, panels=gemm_bf16.pack(weight), invariant=True, kernel=linear_bf16,
+                          kernel_name="native-bf16")
         return Linear(weight, bias, None, gemm.pack(weight.float()), invariant=True, kernel=linear_gemm_widening,
                       kernel_name="native-gemm")
     backend = linear_backend(weight.device, weight.dtype) if pack else "torch"
+    if backend == "native-bf16":
+        return Linear(weight, bias, panels=gemm_bf16.pack(weight), invariant=True, kernel=linear_bf16,
+                      kernel_name=backend)
     if backend == "native-gemm":
         return Linear(weight, bias, panels=gemm.pack(weight), kernel=linear_gemm, kernel_name=backend)
     if backend == "onednn-prepacked":

@@ -99,7 +99,10 @@ class Manifest(TypedDict, total=False):
     cache_window_jobs: int  # running jobs the window store holds (0 without a window)
     cache_window_bytes_per_job: int  # the window store of one job over all layers (fp16 K and V)
     cache_format: str  # e.g. "q4: 4-bit K, 4-bit V, one fp16 scale per 32 values, 32-point Hadamard rotation"
-    kernels: dict[str, str]  # the kernel plan that ran: backend, linear, lm_head, kv_write, rope_write, decode_attention, prefill_attention, norm_act, head_norm, gate_up_silu, decode_step, cuda_graphs
+    # the kernel plan that ran: backend, linear, lm_head, kv_write, rope_write, decode_attention,
+    # prefill_attention, norm_act, head_norm, gate_up_silu, decode_step, cuda_graphs, stream (the
+    # residual stream's dtype between the ops)
+    kernels: dict[str, str]
     deterministic: bool  # batch-invariant linears (--deterministic): a row's results do not depend on its batch
     cuda_graphs: bool  # decode steps replayed as CUDA graphs (CUDA without --eager)
     speculative: dict[str, Any]  # {"drafts": None | "ngram" | "model", "num_draft_tokens", "draft_model": path}

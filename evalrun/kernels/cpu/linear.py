@@ -5,6 +5,9 @@
     linear_gemm_widening  bfloat16/float16 rows of a batch-invariant Linear: rows widened to float32
                           (exact), one float32 FMA chain per output, rounded to the rows' dtype once
     linear_onednn         float32 rows on oneDNN's prepacked weight, the residual add fused as a post-op
+    linear_bf16           float32 or bfloat16 rows on the native bf16 GEMM's panels (kernels/cpu/gemm_bf16.py):
+                          bf16 products, float32 chains in vdpbf16ps order; bias and residual added in
+                          float32, one rounding to the rows' dtype; bitwise batch-invariant at every M
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..ref.linear import Linear
-from . import gemm
+from . import gemm, gemm_bf16
 
 
 def onednn_available() -> bool:
@@ -44,3 +47,7 @@ def linear_onednn(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor]
                                                          lin.packed, lin.bias, "add")
     y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), lin.packed, lin.bias, "none", [], "")
     return y if residual is None else residual + y
+
+
+def linear_bf16(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return gemm_bf16.gemm(x, lin.panels, lin.weight.shape[0], lin.bias, residual)

@@ -52,3 +52,28 @@ class Linear:
     @property
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
+
+
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def _ftz(t: torch.Tensor) -> torch.Tensor:
+    """Denormal float32 values as zeros of their sign (FTZ/DAZ)."""
+    return torch.where(t.abs() < FLT_MIN, t * 0.0, t)
+
+
+def dot_bf16_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16(x) [M, K] @ bf16(weight) [N, K]^T as the bf16 GEMM (kernels/cpu/gemm_bf16.py) computes it:
+    one float32 chain per output over the k pairs in order, adding the product of element 2i+1 then
+    that of element 2i (each product exact, each add rounded to nearest even), denormal inputs and
+    sums flushed to zero: `vdpbf16ps`'s order. Exact to the bit where no product is denormal. Slow
+    (one step per pair): a test reference."""
+    xb = _ftz(x.to(torch.bfloat16).float())
+    wb = _ftz(weight.to(torch.bfloat16).float())
+    if xb.shape[1] % 2:
+        xb, wb = torch.nn.functional.pad(xb, (0, 1)), torch.nn.functional.pad(wb, (0, 1))
+    acc = torch.zeros(xb.shape[0], wb.shape[0], dtype=torch.float32)
+    for i in range(0, xb.shape[1], 2):
+        for k in (i + 1, i):
+            acc = _ftz(acc + xb[:, k, None] * wb[None, :, k])
+    return acc

@@ -1,0 +1,120 @@
+"""The native bfloat16 GEMM for linears (evalrun/kernels/cpu/csrc/gemm_bf16.c), through ctypes.
+
+    pack(weight [N, K])                              -> panels: bf16 pairs of k in 16-column panels
+    gemm(x [M, K], panels, N, bias, residual, out_dtype) -> residual + (bf16(x) @ W^T + bias)  [M, N]
+
+x is float32 (rounded to bfloat16 in the call, to nearest even) or bfloat16; the products are
+exact and accumulate in float32, one chain per output over the k pairs in `vdpbf16ps` order
+(the reference: kernels/ref/linear.py dot_bf16_reference), so a row's result is bitwise the same
+whatever the number of rows (batch invariance). On a CPU with AVX512_BF16 the tiles are that
+instruction (`path()` "native"); elsewhere the same chain in float32 multiplies and adds under
+FTZ/DAZ ("emulated": the same bits, slower). `EVALRUN_GEMM_BF16=emulate` forces the emulation.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import huge_pages, native
+
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+SIGNATURES = {
+    "gemm_bf16_packed_u16": (_I64, [_I32, _I32]),
+    "gemm_bf16_pack": (_I32, [_P, _I32, _I32, _P]),
+    "gemm_bf16": (_I32, [_P, _I32, _I32, _I32, _I64, _P, _I32, _P, _P, _P, _I32, _I32]),
+    "gemm_bf16_native": (_I32, []),
+    "gemm_bf16_path": (_I32, []),
+    "gemm_bf16_set_path": (_I32, [_I32]),
+}
+PATHS = {2: "native", 1: "emulated"}
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    return native.load("gemm_bf16", SIGNATURES)
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the bf16 GEMM cannot run here, or None when it can (natively or emulated)."""
+    if not native.enabled():
+        return "native kernels are disabled (EVALRUN_NATIVE=0)"
+    if _lib() is None:
+        return "the native bf16 GEMM did not build (no C compiler, or a build error: see the log)"
+    return None
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def native_instructions() -> bool:
+    """Whether the library was built with AVX512_BF16 (vdpbf16ps) for this CPU."""
+    lib = _lib()
+    return lib is not None and bool(lib.gemm_bf16_native())
+
+
+def path() -> str:
+    """"native" (vdpbf16ps tiles) or "emulated"; "" when unavailable."""
+    lib = _lib()
+    return "" if lib is None else PATHS[lib.gemm_bf16_path()]
+
+
+def set_path(name: str) -> str:
+    """Use the "native" or the "emulated" tiles from now on (the same bits; for comparisons).
+    Returns the path in use, which stays "emulated" where the CPU lacks AVX512_BF16."""
+    lib = _lib()
+    if lib is None:
+        raise ValueError(f"the bf16 GEMM is unavailable: {unavailable_reason()}")
+    if name not in PATHS.values():
+        raise ValueError(f"bf16 GEMM path {name!r} is not one of {', '.join(PATHS.values())}")
+    return PATHS[lib.gemm_bf16_set_path(2 if name == "native" else 1)]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bfloat16 CPU -> its panels (a flat int16 tensor of bf16 bits)."""
+    lib = _lib()
+    if lib is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"gemm_bf16.pack takes a bfloat16 CPU [N, K] weight, got {tuple(weight.shape)} "
+                         f"{weight.dtype} {weight.device}")
+    n, k = weight.shape
+    w = weight.contiguous()
+    out = huge_pages.empty((lib.gemm_bf16_packed_u16(n, k),), torch.int16)     # streamed every decode step
+    if lib.gemm_bf16_pack(w.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"gemm_bf16.pack cannot take shape {tuple(weight.shape)}")
+    return out
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+         residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """residual + (bf16(x) @ W^T + bias) for x [M, K] float32 or bfloat16 CPU rows, W packed by `pack`;
+    bias [N] and residual [M, N] taken as float32. Returns a new [M, N] tensor of out_dtype
+    (default x's dtype), rounded once at the end."""
+    lib = _lib()
+    if x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = x.shape
+    out_dtype = out_dtype or x.dtype
+    if (lib is None or x.dtype not in OUT_DTYPES or x.device.type != "cpu" or out_dtype not in OUT_DTYPES
+            or panels.numel() != lib.gemm_bf16_packed_u16(n, k)):
+        raise ValueError(f"gemm_bf16 takes float32/bfloat16 CPU rows [M, K] matching the packed weight's K, "
+                         f"got {tuple(x.shape)} {x.dtype} {x.device} for N={n}, out {out_dtype}")
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (n,):
+            raise ValueError(f"bias {tuple(bias.shape)} is not the output's ({n},)")
+    if residual is not None:
+        residual = residual.to(torch.float32).contiguous()
+        if residual.shape != (m, n):
+            raise ValueError(f"residual {tuple(residual.shape)} is not the output's {(m, n)}")
+    y = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return y
+    ldx = x.stride(0) if m > 1 else k
+    rc = lib.gemm_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, ldx, panels.data_ptr(), n,
+                       None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+                       y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"gemm_bf16 cannot take x {tuple(x.shape)} with N={n}")
+    return y
