@@ -3,6 +3,8 @@ projection's output.
 
     x        [T, H]    float32 rows           rms_norm(x, w, eps) -> [T, H]
     gate_up  [T, 2I]   [gate | up] per row    silu_mul(gate_up)   -> [T, I]
+    qkv      [T, (Hq + 2 Hkv) D] float32      rope_write_native   -> q [T, Hq, D] float32; k, v into
+                                              float32 / bfloat16 / float16 pages [P + 1, S, Hkv, D]
 
 `rms_norm_reference` / `silu_mul_reference` (kernels/ref/fused.py) are the torch references; the native
 versions (evalrun/kernels/cpu/csrc/fused_ops.c) make one pass over each row instead of several torch ops
@@ -32,7 +34,9 @@ SIGNATURES = {
     "finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
     "argmax_finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _P, _I32]),
     "rope_write_f32": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _P]),
+    "rope_write_kind": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _I32, _P]),
 }
+PAGE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # csrc/kv_load.h KIND_F32, KIND_BF16, KIND_F16
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -92,28 +96,35 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_write_supported(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """float32 CPU rows whose columns are contiguous, float32 tables, a float32 cache."""
-    return (supported(qkv) and qkv.stride(1) == 1 and cos.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """float32 CPU rows whose columns are contiguous, float32 tables, float32 / bfloat16 / float16
+    CPU pages."""
+    return (supported(qkv) and qkv.stride(1) == 1 and cos.dtype == torch.float32 and k_cache.dtype in PAGE_KINDS
             and k_cache.device.type == "cpu")
 
 
 def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """As rope_write_reference with a float32 cache ([P + 1, S, Hkv, D] pages), in one pass: returns
-    the rotated q [T, hq, D]; k (rotated) and v go straight into their slots."""
+    """As rope_write_reference in one pass, with float32 qkv rows and float32, bfloat16 or float16
+    pages ([P + 1, S, Hkv, D], the kind from k_cache's dtype): returns the rotated q [T, hq, D]
+    (float32); k (rotated) and v go straight into their slots, computed in float32 and rounded
+    once to the pages' dtype (to nearest even, as .to(dtype))."""
     lib = _ready()
     t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
-    if lib is None or not rope_write_supported(qkv, cos, k_cache) or qkv.shape[1] != (hq + 2 * hkv) * d:
-        raise ValueError(f"rope_write_native cannot take qkv {tuple(qkv.shape)} {qkv.dtype} with a "
-                         f"{k_cache.dtype} cache")
-    if k_cache.shape[2:] != (hkv, d) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"cache pages {tuple(k_cache.shape)} do not hold {hkv} heads of {d}")
+    if (lib is None or not rope_write_supported(qkv, cos, k_cache) or qkv.shape[1] != (hq + 2 * hkv) * d
+            or sin.dtype != torch.float32 or cos.shape != (t, d) or sin.shape != (t, d) or slot_mapping.numel() != t):
+        raise ValueError(f"rope_write_native cannot take qkv {tuple(qkv.shape)} {qkv.dtype}, tables "
+                         f"{tuple(cos.shape)} {cos.dtype}, {slot_mapping.numel()} slots with a {k_cache.dtype} cache")
+    if (k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"cache pages {tuple(k_cache.shape)} {k_cache.dtype} / {tuple(v_cache.shape)} "
+                         f"{v_cache.dtype} do not hold {hkv} heads of {d}")
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty(t, hq, d, dtype=torch.float32)
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.rope_write_f32(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, hq, hkv, d,
-                            slots.data_ptr(), n_slots, k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+    rc = lib.rope_write_kind(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, hq, hkv, d,
+                             slots.data_ptr(), n_slots, k_cache.data_ptr(), v_cache.data_ptr(),
+                             PAGE_KINDS[k_cache.dtype], q.data_ptr())
     if rc != 0:
         raise ValueError(f"slot mapping outside the cache's {n_slots} slots, or odd head dim {d}")
     return q

@@ -2,21 +2,24 @@
  *
  *   rms_norm(x [T, H], w [H]) -> out [T, H]      out = x / sqrt(mean(x^2) + eps) * w
  *   silu_mul(gu [T, 2I])      -> out [T, I]      out = silu(gu[:, :I]) * gu[:, I:]
+ *   rope_write(qkv [T, (Hq + 2 Hkv) D])          q rotated -> [T, Hq, D] float32; k rotated and v
+ *                                                -> float32, bfloat16 or float16 pages
  *   argmax_rows(x [T, V])     -> out [T] int64   torch.argmax(x, dim=-1) (greedy sampling)
  *   finite_rows(x [T, V])     -> out [T] uint8   torch.isfinite(x).all(dim=-1) (the sampler's check)
  *
  * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
  * never depends on how many rows share the call (batch invariance). Rows are split over up to
- * `nthreads` threads of the shared pool (pool.h). The torch references are evalrun/kernels/cpu/fused.py's
- * rms_norm_reference, silu_mul_reference and argmax_reference.
+ * `nthreads` threads of the shared pool (pool.h). The torch references are evalrun/kernels/ref/fused.py's
+ * rms_norm_reference, silu_mul_reference, rope_write_reference and argmax_reference.
  */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "kv_load.h"
 #include "pool.h"
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -106,34 +109,149 @@ int silu_mul_f32(const float *gate_up, float *out, int T, int I, int nthreads) {
     return run(1, gate_up, 0, out, T, I, 0.0f, nthreads);
 }
 
-/* Rope on the q and k heads of the fused QKV projection, k and v written straight into float32
- * pages, q returned rotated:
- *   qkv  [T, row_stride] with q heads [Hq, D], then k heads [Hkv, D], then v heads [Hkv, D]
- *   cos, sin [T, D] at each token's position; rotate-half convention (first half with second):
- *     out[:h] = x[:h] cos[:h] - x[h:] sin[:h],  out[h:] = x[h:] cos[h:] + x[:h] sin[h:]
- *   slots [T] int64 flat cache slots (page * S + offset); k_cache, v_cache [n_slots, Hkv, D]
- *   q_out [T, Hq, D]
- * Returns 0, or 1 (nothing written) when a slot is outside [0, n_slots) or D is odd. */
-static inline void rope_head(const float *x, const float *c, const float *s, float *out, int D) {
-    const int h = D / 2;
-    for (int j = 0; j < h; j++) out[j] = x[j] * c[j] - x[h + j] * s[j];
-    for (int j = h; j < D; j++) out[j] = x[j] * c[j] + x[j - h] * s[j];
+/* One float32 value rounded to bfloat16 / float16, to nearest even as torch's .to(dtype): overflow
+ * goes to +-inf, NaN stays NaN (quieted: sign and top payload bits kept, as the F16C instruction
+ * does). Subnormal float32 inputs are rounded, not flushed (so not _mm512_cvtneps_pbh: AVX512_BF16
+ * flushes them to zero, torch does not). */
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+static inline uint16_t f16_from_f32(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                     /* >= 65520: inf */
+    if (a >= 0x38800000u) {                                                     /* >= 2^-14: normal */
+        const uint32_t r = a - 0x38000000u;                                     /* exponent 127 -> 15 bias */
+        return (uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+    }
+    if (a < 0x33000000u) return (uint16_t)sign;                                 /* < 2^-25, half the least subnormal */
+    const int shift = 126 - (int)(a >> 23);                                     /* subnormal: m * 2^-24 */
+    const uint32_t m = (a & 0x7fffffu) | 0x800000u, half = 1u << (shift - 1);
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((half << 1) - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+#endif
+}
+
+/* n float32 values -> n bfloat16 (the integer rounding above, 16 or 8 lanes at a time). */
+static void store_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i bias16 = _mm512_set1_epi32(0x7fff), one16 = _mm512_set1_epi32(1), quiet16 = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 f = _mm512_loadu_ps(src + i);
+        const __m512i x = _mm512_castps_si512(f), hi = _mm512_srli_epi32(x, 16);
+        const __m512i up = _mm512_add_epi32(_mm512_add_epi32(x, bias16), _mm512_and_si512(hi, one16));
+        const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+        const __m512i r = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(up, 16), _mm512_or_si512(hi, quiet16));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+#if defined(__AVX2__)
+    const __m256i bias8 = _mm256_set1_epi32(0x7fff), one8 = _mm256_set1_epi32(1), quiet8 = _mm256_set1_epi32(0x40);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 f = _mm256_loadu_ps(src + i);
+        const __m256i x = _mm256_castps_si256(f), hi = _mm256_srli_epi32(x, 16);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, bias8), _mm256_and_si256(hi, one8)), 16);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet8), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+        const __m128i lo = _mm256_castsi256_si128(r), top = _mm256_extracti128_si256(r, 1);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(lo, top));
+    }
+#endif
+    for (; i < n; i++) dst[i] = bf16_from_f32(src[i]);
+}
+
+/* n float32 values -> n float16 (the conversion instruction, round to nearest even). */
+static void store_f16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = f16_from_f32(src[i]);
+}
+
+/* n float32 values stored as `kind` (KIND_F32, KIND_BF16 or KIND_F16 of kv_load.h). */
+static void store_kind(const float *src, void *dst, int64_t n, int kind) {
+    if (kind == KIND_F32) memcpy(dst, src, sizeof(float) * (size_t)n);
+    else if (kind == KIND_BF16) store_bf16(src, (uint16_t *)dst, n);
+    else store_f16(src, (uint16_t *)dst, n);
+}
+
+/* Rope on the q and k heads of the fused QKV projection, k and v written straight into the
+ * layer's pages, q returned rotated:
+ *   qkv  [T, row_stride] float32 with q heads [Hq, D], then k heads [Hkv, D], then v heads [Hkv, D]
+ *   cos, sin [T, D] float32 at each token's position; rotate-half convention (first half with second):
+ *     out[:h] = x[:h] cos[:h] - x[h:] sin[:h],  out[h:] = x[h:] cos[h:] + x[:h] sin[h:]
+ *   slots [T] int64 flat cache slots (page * S + offset); k_pages, v_pages [n_slots, Hkv, D] of
+ *   page_kind: KIND_F32 float32, KIND_BF16 bfloat16, KIND_F16 float16 (kv_load.h)
+ *   q_out [T, Hq, D] float32
+ * k and v are computed in float32 (the same bits in every kind) and rounded once to the page's
+ * dtype (bf16_from_f32 / f16_from_f32).
+ * NOTE: each product is rounded before the add (no FMA: GCC turns contraction off under -std=c11;
+ * clang would fuse them), so q and k are the bits of torch's `x * c - y * s`; rope_write_reference's
+ * addcmul_ fuses the second product on AVX2 CPUs and can differ from these by an ulp.
+ * Returns 0, or 1 (nothing written) when a slot is outside [0, n_slots), D is odd or page_kind is
+ * none of the three. */
+static inline void rope_span(const float *x, const float *c, const float *s, float *out, int D, int j0, int n) {
+    const int h = D / 2, j1 = j0 + n, m = j1 < h ? j1 : h;     /* out[i] = rope(x)[j0 + i], i < n */
+    int j = j0;
+    for (; j < m; j++) out[j - j0] = x[j] * c[j] - x[h + j] * s[j];
+    for (; j < j1; j++) out[j - j0] = x[j] * c[j] + x[j - h] * s[j];
+}
+
+#define ROPE_CHUNK 128             /* float32 values of a k head rotated on the stack before rounding */
+
+static void rope_store_head(const float *x, const float *c, const float *s, void *dst, int D, int kind) {
+    if (kind == KIND_F32) {
+        rope_span(x, c, s, (float *)dst, D, 0, D);
+        return;
+    }
+    float buf[ROPE_CHUNK];
+    for (int j0 = 0; j0 < D; j0 += ROPE_CHUNK) {
+        const int n = D - j0 < ROPE_CHUNK ? D - j0 : ROPE_CHUNK;
+        rope_span(x, c, s, buf, D, j0, n);
+        store_kind(buf, (uint16_t *)dst + j0, n, kind);
+    }
+}
+
+int rope_write_kind(const float *qkv, int64_t row_stride, const float *cos, const float *sin, int T, int Hq,
+                    int Hkv, int D, const int64_t *slots, int64_t n_slots, void *k_pages, void *v_pages,
+                    int page_kind, float *q_out) {
+    if (D % 2 || (page_kind != KIND_F32 && page_kind != KIND_BF16 && page_kind != KIND_F16)) return 1;
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= n_slots) return 1;
+    const int64_t W = (int64_t)Hkv * D, bytes = page_kind == KIND_F32 ? 4 : 2;     /* values, bytes a value */
+    for (int t = 0; t < T; t++) {
+        const float *row = qkv + (int64_t)t * row_stride, *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < Hq; h++) rope_span(row + (int64_t)h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, D, 0, D);
+        char *kd = (char *)k_pages + slots[t] * W * bytes, *vd = (char *)v_pages + slots[t] * W * bytes;
+        for (int h = 0; h < Hkv; h++)
+            rope_store_head(row + (int64_t)(Hq + h) * D, c, s, kd + (int64_t)h * D * bytes, D, page_kind);
+        store_kind(row + (int64_t)(Hq + Hkv) * D, vd, W, page_kind);
+    }
+    return 0;
+}
+
+/* rope_write_kind with float32 pages (decode_step.c's layers). */
 int rope_write_f32(const float *qkv, int64_t row_stride, const float *cos, const float *sin, int T, int Hq,
                    int Hkv, int D, const int64_t *slots, int64_t n_slots, float *k_cache, float *v_cache,
                    float *q_out) {
-    if (D % 2) return 1;
-    for (int t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= n_slots) return 1;
-    for (int t = 0; t < T; t++) {
-        const float *row = qkv + (int64_t)t * row_stride, *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-        for (int h = 0; h < Hq; h++) rope_head(row + (int64_t)h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, D);
-        float *kd = k_cache + slots[t] * Hkv * D, *vd = v_cache + slots[t] * Hkv * D;
-        for (int h = 0; h < Hkv; h++) rope_head(row + (int64_t)(Hq + h) * D, c, s, kd + (int64_t)h * D, D);
-        memcpy(vd, row + (int64_t)(Hq + Hkv) * D, sizeof(float) * (size_t)Hkv * D);
-    }
-    return 0;
+    return rope_write_kind(qkv, row_stride, cos, sin, T, Hq, Hkv, D, slots, n_slots, k_cache, v_cache, KIND_F32, q_out);
 }
 
 /* out[r] = the index of row r's largest value (x [T, V] float32 rows), with torch.argmax's
