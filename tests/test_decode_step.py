@@ -9,6 +9,7 @@ import torch
 from evalrun.engine import Model
 from evalrun.kernels.cpu import decode_step, gemm
 from evalrun.kernels.cpu.decode_step import DecodeStep
+from evalrun.kernels.linear import linear_backend
 from tests.engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
 
 pytestmark = pytest.mark.skipif(not gemm.available() or decode_step._lib() is None,
@@ -31,17 +32,24 @@ def _generate(model, prompts, n_new, **kwargs):
     return run_jobs(make_generator(model, max_tokens=4096, **kwargs), greedy_jobs(prompts, n_new, return_logits=True))
 
 
+BF16_GEMM = linear_backend("cpu", torch.bfloat16) == "native-bf16"
+needs_bf16_gemm = pytest.mark.skipif(not BF16_GEMM, reason="this CPU lacks avx512_bf16: bf16 linears are torch's")
+
+
+@pytest.mark.parametrize("dtype,mode", [("float32", "fp32"), ("float32", "fp16"),
+                                        pytest.param("bfloat16", "bf16", marks=needs_bf16_gemm)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, arch, count_steps, monkeypatch):
+def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, arch, dtype, mode, count_steps, monkeypatch):
     """Same prompts, a cache each: with the native step and with EVALRUN_DECODE_STEP=0 (per-op
-    path), every logit of every step is bitwise equal (qwen2: with QKV biases)."""
-    model = Model.load(tiny_model_factory(arch), dtype="float32")
+    path), every logit of every step is bitwise equal (qwen2: with QKV biases), for float32 models
+    on the float32 GEMM and bf16 models on the bf16 GEMM, over float32, float16 and bf16 pages."""
+    model = Model.load(tiny_model_factory(arch), dtype=dtype)
     prompts = random_prompts(9, [5, 17, 33, 48], model.config.vocab_size, seed=0)
-    native = _generate(model, prompts, 10)
+    native = _generate(model, prompts, 10, mode=mode)
     assert count_steps["n"] > 0
     monkeypatch.setenv("EVALRUN_DECODE_STEP", "0")
     count_steps["n"] = 0
-    per_op = _generate(model, prompts, 10)
+    per_op = _generate(model, prompts, 10, mode=mode)
     assert count_steps["n"] == 0
     for i in range(len(prompts)):
         assert native[i]["all_token_ids"] == per_op[i]["all_token_ids"]
@@ -61,7 +69,7 @@ def test_decode_step_keeps_batch_invariance(tiny_model_dir, count_steps):
     assert count_steps["n"] > 0
 
 
-@pytest.mark.parametrize("mode", ["q8", "fp16"])
+@pytest.mark.parametrize("mode", ["q8", "q4"])
 def test_decode_step_stays_out_of_other_cache_modes(tiny_kv32_dir, mode, count_steps):
     model = Model.load(tiny_kv32_dir, dtype="float32")
     prompts = random_prompts(3, [9, 20], model.config.vocab_size, seed=4)
@@ -69,9 +77,18 @@ def test_decode_step_stays_out_of_other_cache_modes(tiny_kv32_dir, mode, count_s
     assert count_steps["n"] == 0
 
 
-def test_decode_step_stays_out_of_bfloat16(tiny_model_dir, count_steps):
+def test_decode_step_stays_out_of_bfloat16_on_torch_linears(tiny_model_dir, count_steps, monkeypatch):
+    """A bf16 model whose linears are torch's (bf16 rows between the ops) runs per op."""
+    monkeypatch.setenv("EVALRUN_LINEAR", "torch")
     model = Model.load(tiny_model_dir, dtype="bfloat16")
-    _generate(model, random_prompts(2, [9], model.config.vocab_size, seed=5), 3)
+    assert model.layers[0].wqkv.kernel_name == "torch"
+    _generate(model, random_prompts(2, [9], model.config.vocab_size, seed=5), 3, mode="bf16")
+    assert count_steps["n"] == 0
+
+
+def test_decode_step_stays_out_of_float16(tiny_model_dir, count_steps):
+    model = Model.load(tiny_model_dir, dtype="float16")
+    _generate(model, random_prompts(2, [9], model.config.vocab_size, seed=5), 3, mode="fp16")
     assert count_steps["n"] == 0
 
 

@@ -49,15 +49,24 @@ def test_rows_are_batch_invariant():
 
 
 def test_plans_route_norms_by_dtype():
-    """The plan of a bf16 model runs the reference RMSNorm on its layers' rows (the native one takes
-    float32 rows only) and the native one on the head's float32 rows; a float32 model both natively."""
+    """The plan of a bf16 model on the bf16 GEMM keeps float32 rows and runs the native RMSNorm on
+    them (with its bf16 weights widened); a bf16 model on torch's linears (no vdpbf16ps) and a
+    float16 model run the reference RMSNorm on their rows (the native one takes float32 rows
+    only), the native one on the head's float32 rows; a float32 model both natively."""
     _need_native()
     x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
     key = PlanKey("cpu", torch.bfloat16, KV_FORMATS["bf16"], 16, 2, 1, 16)
     plan = NativeCpuKernels().plan(key)
-    assert plan.rms_norm is ref_fused.rms_norm_reference and plan.names["norm_act"] == "torch"
     assert plan.head_norm is fused.rms_norm_native and plan.names["head_norm"] == "native-c"
-    assert torch.equal(plan.rms_norm(x, w, 1e-6), TorchKernels().plan(key).rms_norm(x, w, 1e-6))
+    if key.linear == "native-bf16":
+        assert plan.stream_dtype == torch.float32 and plan.names["norm_act"] == "native-c"
+        assert torch.equal(plan.rms_norm(x.float(), w, 1e-6), fused.rms_norm_native(x.float(), w.float(), 1e-6))
+    else:
+        assert plan.rms_norm is ref_fused.rms_norm_reference and plan.names["norm_act"] == "torch"
+    fp16_key = dataclasses.replace(key, dtype=torch.float16, fmt=KV_FORMATS["fp16"])
+    fp16 = NativeCpuKernels().plan(fp16_key)
+    assert fp16.rms_norm is ref_fused.rms_norm_reference and fp16.names["norm_act"] == "torch"
+    assert torch.equal(fp16.rms_norm(x.half(), w.half(), 1e-6), TorchKernels().plan(fp16_key).rms_norm(x.half(), w.half(), 1e-6))
     f32 = NativeCpuKernels().plan(dataclasses.replace(key, dtype=torch.float32, fmt=KV_FORMATS["fp32"]))
     assert f32.rms_norm is fused.rms_norm_native and f32.names["norm_act"] == "native-c"
     with pytest.raises(ValueError, match="float32 CPU rows"):

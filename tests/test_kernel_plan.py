@@ -72,14 +72,16 @@ def test_the_manifest_names_what_ran(tiny_kv32_dir, monkeypatch, forced, dtype, 
         assert kernels["prefill_attention"] == ("torch-sdpa" if KV_FORMATS[mode].window else "triton")
     if forced == "native-cpu":
         assert kernels["decode_attention"] == "native-c"
-        assert kernels["decode_step"] == ("native-c" if (dtype, mode) == ("float32", "fp32") else "off")
-        # a bf16 model on the bf16 GEMM keeps a float32 residual stream: the float32 element-wise kernels
+        # a bf16 model on the bf16 GEMM keeps a float32 residual stream: the float32 element-wise kernels,
+        # the rope kernel writing its pages, the decode step
         float_rows = dtype == "float32" or kernels["linear"] == "native-bf16"
+        float_pages = not KV_FORMATS[mode].quantized
+        assert kernels["decode_step"] == ("native-c" if float_rows and float_pages else "off")
         assert kernels["stream"] == ("float32" if float_rows else dtype)
         assert kernels["norm_act"] == ("native-c" if float_rows else "torch")
         assert kernels["head_norm"] == "native-c"                   # the head's rows are float32 in every dtype
-        if not KV_FORMATS[mode].quantized:                          # float32 pages: written by the rope kernel
-            assert kernels["kv_write"] == ("native-c rope_write" if dtype == "float32" else "torch")
+        if float_pages:                                             # float pages: written by the rope kernel
+            assert kernels["kv_write"] == ("native-c rope_write" if float_rows else "torch")
 
 
 def test_default_choice_on_this_cpu(tiny_kv32_dir, monkeypatch):

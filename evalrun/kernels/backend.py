@@ -201,7 +201,8 @@ class NativeCpuKernels(TorchKernels):
             write, names["kv_write"] = native_quant.write_kv_native, "native-c"
         fused_ok = native_fused.available()
         rope = _rope_write(write)
-        if fused_ok and f32 and not fmt.quantized and fmt.dtype == torch.float32:
+        float_pages = not fmt.quantized and fmt.dtype in native_fused.PAGE_KINDS
+        if fused_ok and f32 and float_pages:      # float32 rows rotated, rounded once into the pages
             rope, names["rope_write"] = _rope_write_native, "native-c"
             names["kv_write"] = "native-c rope_write"        # the model's K/V are written by the rope kernel
         norm = rms_norm_reference
@@ -214,7 +215,7 @@ class NativeCpuKernels(TorchKernels):
             gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
         names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
         names["head_norm"] = "native-c" if fused_ok else "torch"
-        step = (fused_ok and f32 and key.linear == "native-gemm" and not fmt.quantized and fmt.dtype == torch.float32
+        step = (fused_ok and f32 and key.linear in ("native-gemm", "native-bf16") and float_pages
                 and decode_step.available())
         names["decode_step"] = "native-c" if step else "off"
         names["stream"] = "float32" if bf16_gemm else names["stream"]

@@ -6,9 +6,10 @@ SiLU, down. `DecodeStep` makes one: the C code runs those same kernel functions 
 order, so its residual stream is bitwise what the per-op path computes (tests/test_decode_step.py
 checks that), without the per-layer Python between them.
 
-It applies on the CPU to float32 models whose linears are on the native GEMM, with float32
-pages (cache mode fp32: no codes, no recent-token window), to batches whose every row is a
-decode token. `EVALRUN_DECODE_STEP=0` turns it off (the per-op path then runs).
+It applies on the CPU to float32 models whose linears are on the native GEMM and to bfloat16
+models whose linears are on the bf16 GEMM (their residual stream is float32: KernelPlan.stream_dtype),
+with float32, bfloat16 or float16 pages (no codes, no recent-token window), to batches whose every
+row is a decode token. `EVALRUN_DECODE_STEP=0` turns it off (the per-op path then runs).
 """
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ class _Threads(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("L", ctypes.c_int), ("H", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int),
                 ("D", ctypes.c_int), ("I", ctypes.c_int), ("S", ctypes.c_int), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("n_slots", ctypes.c_int64), ("layers", ctypes.POINTER(_Layer))]
+                ("scale", ctypes.c_float), ("n_slots", ctypes.c_int64), ("layers", ctypes.POINTER(_Layer)),
+                ("weight_kind", ctypes.c_int), ("page_kind", ctypes.c_int)]
+WEIGHT_KINDS = {"native-gemm": 0, "native-bf16": 1}              # the Linear's kernel_name -> its panels'
+WEIGHT_DTYPES = {torch.float32: "native-gemm", torch.bfloat16: "native-bf16"}   # model dtype -> its linears'
+PAGE_KINDS = paged_decode._FLOAT_KINDS                           # float32 0, bfloat16 1, float16 2
 
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -98,47 +103,54 @@ class DecodeStep:
         if lib is None:
             raise RuntimeError("the native decode step is not available (see kernels.native)")
         self._lib, self._parts = lib, list(parts)
+        # float32 norm weights (a bf16 model's, widened: exact) and qkv bias
+        norms = [(p.input_norm.float().contiguous(), p.post_norm.float().contiguous()) for p in self._parts]
+        biases = [None if p.wqkv.bias is None else p.wqkv.bias.float().contiguous() for p in self._parts]
         # the tensors themselves (not only their containers) stay referenced while the C code holds
         # their addresses; pages_match compares the pages by address and shape
-        self._keep = [t for p in self._parts for t in (p.input_norm, p.post_norm, p.wqkv.panels, p.wqkv.bias,
-                                                       p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
-                                                       p.kv.k, p.kv.v) if t is not None]
+        self._keep = [t for p, n, b in zip(self._parts, norms, biases)
+                      for t in (*n, b, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
+                                p.kv.k, p.kv.v) if t is not None]
         self._pages = [(p.kv.k.data_ptr(), p.kv.v.data_ptr(), tuple(p.kv.k.shape)) for p in self._parts]
         page_size = self._parts[0].kv.k.shape[1]
         self._layers = (_Layer * len(self._parts))()
-        for i, p in enumerate(self._parts):
-            self._layers[i] = _Layer(p.input_norm.data_ptr(), p.post_norm.data_ptr(), p.wqkv.panels.data_ptr(),
-                                     None if p.wqkv.bias is None else p.wqkv.bias.data_ptr(),
+        for i, (p, (n_in, n_post), b) in enumerate(zip(self._parts, norms, biases)):
+            self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(),
+                                     None if b is None else b.data_ptr(),
                                      p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
                                      p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr())
+        first = self._parts[0]
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
-                             eps, head_dim ** -0.5, self._parts[0].kv.k.shape[0] * page_size, self._layers)
+                             eps, head_dim ** -0.5, first.kv.k.shape[0] * page_size, self._layers,
+                             WEIGHT_KINDS[first.wqkv.kernel_name], PAGE_KINDS[first.kv.k.dtype])
 
     @staticmethod
     def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device, hidden: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int) -> bool:
-        """Float32 CPU weights on the native GEMM with the model's shapes (biases only on QKV),
-        float32 pages of one shape [P + 1, S, Hkv, D] without a window, contiguous; and the
-        library built here."""
-        if not enabled() or dtype != torch.float32 or device.type != "cpu" or not parts or _lib() is None:
+        """Float32 CPU weights on the native GEMM or bfloat16 ones on the bf16 GEMM, with the model's
+        shapes (biases only on QKV), float pages (float32, bfloat16, float16) of one shape and dtype
+        [P + 1, S, Hkv, D] without a window, contiguous; and the library built here."""
+        kernel = WEIGHT_DTYPES.get(dtype)
+        if not enabled() or kernel is None or device.type != "cpu" or not parts or _lib() is None:
             return False
         qkv = (num_heads + 2 * num_kv_heads) * head_dim
         shapes = ((qkv, hidden), (hidden, num_heads * head_dim), (2 * intermediate, hidden), (hidden, intermediate))
         pages = parts[0].kv.k.shape
         for p in parts:
             lins = (p.wqkv, p.wo, p.w_gate_up, p.w_down)
-            if any(lin.panels is None or tuple(lin.weight.shape) != shape for lin, shape in zip(lins, shapes)):
+            if any(lin.panels is None or lin.kernel_name != kernel or tuple(lin.weight.shape) != shape
+                   for lin, shape in zip(lins, shapes)):
                 return False
             if any(lin.bias is not None for lin in lins[1:]):
                 return False
-            if p.wqkv.bias is not None and (p.wqkv.bias.dtype != torch.float32 or p.wqkv.bias.shape != (qkv,)
-                                            or not p.wqkv.bias.is_contiguous()):
+            if p.wqkv.bias is not None and p.wqkv.bias.shape != (qkv,):
                 return False
-            if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (hidden,)
-                       for t in (p.input_norm, p.post_norm)):
+            if not all(t.dtype == dtype and t.shape == (hidden,) for t in (p.input_norm, p.post_norm)):
                 return False
             kv = p.kv
-            if kv.fmt.quantized or kv.fmt.window or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32:
+            if kv.fmt.quantized or kv.fmt.window or kv.k.dtype not in PAGE_KINDS or kv.v.dtype != kv.k.dtype:
+                return False
+            if kv.k.dtype != parts[0].kv.k.dtype:
                 return False
             if kv.k.shape != pages or kv.v.shape != pages or tuple(pages[2:]) != (num_kv_heads, head_dim):
                 return False

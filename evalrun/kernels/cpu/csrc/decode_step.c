@@ -1,4 +1,5 @@
-/* All decoder layers of one decode step in one native call (CPU, float32, float32 pages).
+/* All decoder layers of one decode step in one native call (CPU, a float32 residual stream; the
+ * linears on the float32 GEMM or on the bf16 GEMM, pages float32, bfloat16 or float16).
  *
  * A decode step has one new token per sequence. Per layer, with x [T, H] the residual stream
  * (updated in place):
@@ -19,8 +20,9 @@
  * SiLU runs in the gate/up GEMM's epilogue (gemm_silu_f32; its time is profiled as gate/up).
  * evalrun/kernels/cpu/decode_step.py builds the layer table and decides when this path applies.
  *
- *   DecodeLayer   per layer: norm weights [H], packed weights (gemm_pack_f32), qkv bias [Q] or
- *                 NULL, the layer's K and V pages [P + 1, S, Hkv, D] float32
+ *   DecodeLayer   per layer: norm weights [H] float32, packed weights (gemm_pack_f32, or
+ *                 gemm_bf16_pack where DecodeModel.weight_kind is 1), qkv bias [Q] or NULL, the
+ *                 layer's K and V pages [P + 1, S, Hkv, D] of DecodeModel.page_kind (kv_load.h)
  *   x             [T, H] in/out
  *   cos, sin      [T, D] at each token's position
  *   slots         [T] int64 flat cache slot of each new token (page * S + offset)
@@ -33,13 +35,16 @@
 #include <time.h>
 
 #include "gemm.c"
+#include "gemm_bf16.c"
 #include "fused_ops.c"
 #include "paged_decode.c"
 
 typedef struct {
     const float *input_norm, *post_norm;
-    const float *wqkv, *bqkv, *wo, *w_gate_up, *w_down;    /* packed panels; bias may be NULL */
-    float *k_pages, *v_pages;
+    const void *wqkv;
+    const float *bqkv;                                       /* may be NULL */
+    const void *wo, *w_gate_up, *w_down;                     /* packed panels */
+    void *k_pages, *v_pages;
 } DecodeLayer;
 
 /* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
@@ -53,7 +58,17 @@ typedef struct {
     float eps, scale;
     int64_t n_slots;                /* slots of each layer's pages: (P + 1) * S */
     const DecodeLayer *layers;
+    int weight_kind;                /* 0: float32 panels (gemm.c), 1: bf16 panels (gemm_bf16.c) */
+    int page_kind;                  /* KIND_F32, KIND_BF16 or KIND_F16 */
 } DecodeModel;
+
+/* y = residual + x @ W^T (+ bias) on the layer's GEMM (float32 rows in and out) */
+static int step_gemm(const DecodeModel *m, const float *x, int T, int K, const void *w, int N, const float *bias,
+                     const float *residual, float *y, int nthreads) {
+    if (m->weight_kind == 1)
+        return gemm_bf16(x, 0, T, K, K, (const uint16_t *)w, N, bias, residual, y, 0, nthreads);
+    return gemm_f32(x, T, K, K, (const float *)w, N, bias, residual, y, nthreads);
+}
 
 /* Optional wall time per stage, summed over layers and steps (decode_step_profile): 0 norms,
  * 1 QKV, 2 rope + page write, 3 attention, 4 output projection, 5 gate/up, 6 SiLU, 7 down. */
@@ -97,7 +112,8 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     const int nthreads = th->gemm, norm_threads = th->norm, act_threads = th->act, attn_threads = th->attn;
     float *h = work, *qkv = h + (int64_t)T * H, *q = qkv + (int64_t)T * Q, *o = q + (int64_t)T * Hq * D;
     float *gu = o + (int64_t)T * Hq * D, *act = gu + (int64_t)T * 2 * I, *scratch = act + (int64_t)T * I;
-    const int prof = profile_on, fuse_silu = gemm_silu_supported(T, I);
+    const int prof = profile_on, fuse_silu = m->weight_kind == 0 && gemm_silu_supported(T, I);
+    const int kind = m->page_kind;
     double t0 = prof ? now_s() : 0.0;
 #define STAGE(i, call)                                                                            \
     if (call) return l + 1;                                                                       \
@@ -109,20 +125,21 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     for (int l = 0; l < m->L; l++) {
         const DecodeLayer *ly = &m->layers[l];
         STAGE(0, rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads))
-        STAGE(1, gemm_f32(h, T, H, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
-        STAGE(2, rope_write_f32(qkv, Q, cos, sin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, q))
-        STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, KIND_F32, KIND_F32, 0, page_table, max_pages,
+        STAGE(1, step_gemm(m, h, T, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
+        STAGE(2, rope_write_kind(qkv, Q, cos, sin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, kind,
+                                 q))
+        STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,
                               seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
                               0, 0))
-        STAGE(4, gemm_f32(o, T, Hq * D, Hq * D, ly->wo, H, 0, x, x, nthreads))
+        STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, 0, x, x, nthreads))
         STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
         if (fuse_silu) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
-            STAGE(5, gemm_silu_f32(h, T, H, H, ly->w_gate_up, I, act, nthreads))
+            STAGE(5, gemm_silu_f32(h, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
         } else {
-            STAGE(5, gemm_f32(h, T, H, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads))
+            STAGE(5, step_gemm(m, h, T, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads))
             STAGE(6, silu_mul_f32(gu, act, T, I, act_threads))
         }
-        STAGE(7, gemm_f32(act, T, I, I, ly->w_down, H, 0, x, x, nthreads))
+        STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, 0, x, x, nthreads))
     }
 #undef STAGE
     return 0;

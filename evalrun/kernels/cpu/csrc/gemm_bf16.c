@@ -143,7 +143,7 @@ static void bf_epilogue(const bf_Gemm *g, int i0, int R, int p0, int P, const fl
 /* ---- the tiles: R rows (x0.., stride ldp pairs) by P panels (bp, bp + ps, ..; bp at pair k0) over
  * kn pairs from k0; sums start from 0 when `first`, else from carry [R][P * 16], and are left there. */
 typedef void (*bf_TileFn)(const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps, int k0, int kn,
-                       float *carry, int first);
+                       float *carry, int first, const uint32_t *pf, int pf_n);
 
 #if BF_Z
 #define BF_ZEACH_P(M, r) M(r, 0) M(r, 1) M(r, 2) M(r, 3)
@@ -168,14 +168,20 @@ typedef void (*bf_TileFn)(const uint32_t *x0, int64_t ldp, const uint32_t *bp, i
     }
 #define BF_NSTEP BF_NB(0) BF_NB(1) BF_NB(2) BF_NB(3) BF_NROW(0) BF_NROW(1) BF_NROW(2) BF_NROW(3) BF_NROW(4) BF_NROW(5) BF_NROW(6) BF_NROW(7)
 
+#define BF_PF(p) if (P > p) _mm_prefetch((const char *)(pf + p * ps), _MM_HINT_T0);
+
+/* ... and the first pf_n steps prefetch one line of each panel of the next slice pf (the weights
+ * stream from memory in a decode step: the tiles of a block fetch the next slice between them) */
 static inline __attribute__((always_inline)) void bf_ntile(const int R, const int P, const uint32_t *x0, int64_t ldp,
                                                        const uint32_t *bp, int64_t ps, int k0, int kn,
-                                                       float *carry, int first) {
+                                                       float *carry, int first, const uint32_t *pf, int pf_n) {
     BF_XROWS
     BF_ZEACH(BF_ZDECL)
     if (!first) { BF_ZEACH(BF_ZLOAD) }
-    const int ke = k0 + kn;
-    _Pragma("GCC unroll 2") for (int k = k0; k < ke; k++, bp += BF_PW) { BF_NSTEP }
+    const int ke = k0 + kn, kp = k0 + (pf_n < kn ? pf_n : kn);
+    int k = k0;
+    for (; k < kp; k++, bp += BF_PW, pf += BF_PW) { BF_PF(0) BF_PF(1) BF_PF(2) BF_PF(3) BF_NSTEP }
+    _Pragma("GCC unroll 2") for (; k < ke; k++, bp += BF_PW) { BF_NSTEP }
     BF_ZEACH(BF_ZSTORE)
 }
 #endif
@@ -207,7 +213,8 @@ static inline __attribute__((always_inline)) void bf_ntile(const int R, const in
 
 static inline __attribute__((always_inline)) void bf_etile(const int R, const int P, const uint32_t *x0, int64_t ldp,
                                                        const uint32_t *bp, int64_t ps, int k0, int kn,
-                                                       float *carry, int first) {
+                                                       float *carry, int first, const uint32_t *pf, int pf_n) {
+    (void)pf; (void)pf_n;
     BF_XROWS
     BF_ZEACH(BF_ZDECL)
     if (!first) { BF_ZEACH(BF_ZLOAD) }
@@ -219,8 +226,8 @@ static inline __attribute__((always_inline)) void bf_etile(const int R, const in
 
 #define BF_DEFINE_TILE(kind, r, p)                                                                   \
     static void kind##r##x##p(const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps, int k0, int kn, \
-                              float *carry, int first) {                                          \
-        kind(r, p, x0, ldp, bp, ps, k0, kn, carry, first);                                        \
+                              float *carry, int first, const uint32_t *pf, int pf_n) {            \
+        kind(r, p, x0, ldp, bp, ps, k0, kn, carry, first, pf, pf_n);                              \
     }
 #define BF_DEFINE_TILES(kind)                                                                        \
     BF_DEFINE_TILE(kind, 1, 1) BF_DEFINE_TILE(kind, 2, 1) BF_DEFINE_TILE(kind, 3, 1) BF_DEFINE_TILE(kind, 4, 1)   \
@@ -244,7 +251,8 @@ static const bf_TileFn bf_NTILES[BF_FEW_P + 1][BF_ZR + 1] = BF_TILE_TABLE(bf_nti
 
 #else  /* no AVX-512: the emulated chain in plain C */
 static void bf_ctile(int R, int P, const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps, int k0, int kn,
-                  float *carry, int first) {
+                  float *carry, int first, const uint32_t *pf, int pf_n) {
+    (void)pf; (void)pf_n;
     float acc[BF_ZR * BF_FEW_P * BF_PW];
     for (int i = 0; i < R * P * BF_PW; i++) acc[i] = first ? 0.0f : carry[i];
     for (int k = k0; k < k0 + kn; k++, bp += BF_PW)
@@ -269,18 +277,18 @@ static void bf_ctile(int R, int P, const uint32_t *x0, int64_t ldp, const uint32
 #endif
 
 static void bf_tile(const bf_Gemm *g, int R, int P, const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps,
-                 int k0, int kn, float *carry, int first) {
+                 int k0, int kn, float *carry, int first, const uint32_t *pf, int pf_n) {
 #if BF_Z
 #if BF_NATIVE
     if (g->native) {
-        bf_NTILES[P][R](x0, ldp, bp, ps, k0, kn, carry, first);
+        bf_NTILES[P][R](x0, ldp, bp, ps, k0, kn, carry, first, pf, pf_n);
         return;
     }
 #endif
-    bf_ETILES[P][R](x0, ldp, bp, ps, k0, kn, carry, first);
+    bf_ETILES[P][R](x0, ldp, bp, ps, k0, kn, carry, first, pf, pf_n);
 #else
     (void)g;
-    bf_ctile(R, P, x0, ldp, bp, ps, k0, kn, carry, first);
+    bf_ctile(R, P, x0, ldp, bp, ps, k0, kn, carry, first, pf, pf_n);
 #endif
 }
 
@@ -303,10 +311,17 @@ static void bf_rows_by_panels(const bf_Gemm *g, int pb, int pe) {
             const uint32_t *panel = g->packed + q * ps;
             for (int k0 = 0; k0 < K2; k0 += kc) {
                 const int kn = k0 + kc <= K2 ? kc : K2 - k0;
+                /* the next slice: the rest of these panels, else the next group's first (P panels of
+                 * it prefetched; in this claimed range), its lines shared out over the tiles */
+                const int more = k0 + kn < K2, next_group = q + PG < pe;
+                const int lines = more ? (K2 - k0 - kn < kc ? K2 - k0 - kn : kc) : next_group ? kc : 0;
+                const uint32_t *next = more ? panel + (int64_t)(k0 + kn) * BF_PW : panel + PG * ps;
+                const int per = (lines + t - 1) / t;
                 for (int j = 0, i = i0; j < t; j++) {
                     const int R = n / t + (j < n % t);
+                    const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
                     bf_tile(g, R, P, g->xp + (int64_t)i * K2, K2, panel + (int64_t)k0 * BF_PW, ps, k0, kn,
-                         carry + j * stride, k0 == 0);
+                            carry + j * stride, k0 == 0, next + (int64_t)lo * BF_PW, hi - lo);
                     i += R;
                 }
             }
