@@ -17,8 +17,9 @@ class WeightsError(ValueError):
     """Weights missing or not matching the config."""
 
 
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name to the file that holds it."""
+def weight_files(model_dir: Path, device: str = "cpu") -> dict[str, Path]:
+    """Map every tensor name to the file that holds it (a single file's names read through an open
+    on `device`, the one its tensors will be read on: nothing is loaded)."""
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -34,7 +35,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
             raise FileNotFoundError(f"{index} names shard files that are missing: {', '.join(missing)}")
         return files
     if single.is_file():
-        with _open(single) as f:
+        with _open(single, device) as f:
             return {name: single for name in f.keys()}
     raise FileNotFoundError(
         f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
@@ -54,10 +55,14 @@ class WeightReader:
     """Loads named tensors on demand, keeping each shard open once."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
-        self.files = weight_files(model_dir)
+        self.files = weight_files(model_dir, self._open_device(device))
         self.dtype = dtype
         self.device = device
         self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _open_device(device: torch.device) -> str:
+        return str(device) if device.type == "cuda" else "cpu"
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -67,7 +72,7 @@ class WeightReader:
             raise WeightsError(f"weights lack tensor {name!r} (checked {len(self.files)} tensors)")
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = _open(path, str(self.device) if self.device.type == "cuda" else "cpu")
+            self._handles[path] = _open(path, self._open_device(self.device))
         try:
             tensor = self._handles[path].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as exc:
