@@ -24,8 +24,9 @@
  *   out  = (sum over p in order of w[p] v[p]) * (1 / sum over p in order of w[p]).
  * Nothing in a row's arithmetic depends on the other rows, the task's size or the batch, so a
  * token's output is bitwise the same however its sequence is chunked or batched (batch invariance).
- * Float32 rows are read in place through the page table; other kinds are converted into a buffer
- * once per task. Tasks are claimed one at a time by the threads of the shared pool (pool.h).
+ * Float32 rows are read in place through the page table; other kinds are converted into a per-thread
+ * buffer that the thread's next task of the same sequence and head extends (tasks come in position
+ * order). Tasks are claimed one at a time by the threads of the shared pool (pool.h).
  * The torch reference is kernels.attention.attend (SDPA on the gathered context).
  */
 #include <math.h>
@@ -71,10 +72,18 @@ typedef __m256 vec;
 #endif
 
 #define QT 16                      /* query positions per task */
-#define KP 4                       /* keys per score tile */
+#if VW == 16                       /* 32 vector registers: tiles of 24 sums */
+#define KP 8                       /* keys per score tile */
+#define RP 6                       /* rows per value tile */
+#else                              /* 16 registers */
+#define KP 4
+#define RP 4
+#endif
 #define RV 3                       /* row vectors per score tile */
-#define RP 4                       /* rows per value tile */
 #define DV 4                       /* vectors of D per value tile (the tile tables are sized for these) */
+#ifndef PF
+#define PF 8                       /* slots ahead a conversion prefetches */
+#endif
 #ifndef PB
 #define PB 64                      /* keys per block of the value sums */
 #endif
@@ -119,57 +128,77 @@ typedef struct {
     atomic_long *next_task;
 } Args;
 
-/* Head h of positions [0, n) as float32 row pointers: in place (float32) or converted into buf. */
+/* Head h of positions [from, n) as float32 row pointers: in place (float32) or converted into buf. */
 static void head_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages, int S,
-                      int n, int h, int D, int W, float *buf, const float **rows) {
-    for (int p0 = 0; p0 < n; p0 += S) {              /* page by page: slots are consecutive within one */
+                      int from, int n, int h, int D, int W, float *buf, const float **rows) {
+    for (int p0 = from / S * S; p0 < n; p0 += S) {   /* page by page: slots are consecutive within one */
         const int64_t slot = (int64_t)pages[p0 / S] * S;
-        const int pe = p0 + S < n ? p0 + S : n;
+        const int pb = p0 > from ? p0 : from, pe = p0 + S < n ? p0 + S : n;
         if (kind == KIND_F32) {
-            const float *row = (const float *)cache + slot * W + (int64_t)h * D;
-            for (int p = p0; p < pe; p++, row += W) rows[p] = row;
+            const float *row = (const float *)cache + (slot + pb - p0) * W + (int64_t)h * D;
+            for (int p = pb; p < pe; p++, row += W) rows[p] = row;
         } else {
-            for (int p = p0; p < pe; p++)
+            const int64_t esize = kind == KIND_BF16 || kind == KIND_F16 ? 2 : kind == KIND_Q8 ? 1 : 0;
+            const char *base = (const char *)cache + (slot * W + (int64_t)h * D) * esize;
+            for (int p = pb; p < pe; p++) {
+                if (esize && p + PF < pe)       /* the row PF slots ahead: its lines are far away in memory */
+                    for (int64_t off = 0; off < D * esize; off += 64)
+                        __builtin_prefetch(base + (int64_t)(p + PF - p0) * W * esize + off);
                 rows[p] = load_head(cache, scales, kind, G, slot + p - p0, h, D, W, buf + (int64_t)p * D);
+            }
         }
     }
 }
 
-/* sc[p][r] = (q_r . k_p) * scale for keys [p0, p1) and row vectors [v0, v0 + nv), nv <= RV:
+/* What a thread's scratch holds of the K and V rows: positions [0, n) of sequence b's head h. The
+ * tasks of one head and sequence come in position order, so a thread that claims the next one
+ * converts only the keys it adds (conversion is exact: a row's values do not depend on it). */
+typedef struct {
+    int b, h, n;
+} HeadRows;
+
+/* sc[p][r] = (q_r . k_p) * scale for keys [p, p + np), np <= KP, and row vectors [v0, v0 + nv), nv <= RV:
  * qt [D][rp] the transposed rows. One chain over d per score. */
 static inline __attribute__((always_inline)) void score_tile(const float *qt, int64_t rp, const float *const *kr,
                                                             int p, const int np, int v0, const int nv, int D,
                                                             vec sv, float *sc) {
     vec a[KP][RV];
-    _Pragma("GCC unroll 4") for (int j = 0; j < KP; j++)
+    const float *k[KP];
+    _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) {
+        k[j] = j < np ? kr[p + j] : kr[p];
         _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) a[j][i] = VZERO();
-    const float *k0 = kr[p], *k1 = np > 1 ? kr[p + 1] : k0, *k2 = np > 2 ? kr[p + 2] : k0, *k3 = np > 3 ? kr[p + 3] : k0;
+    }
     const float *qp = qt + (int64_t)v0 * VW;
     for (int d = 0; d < D; d++, qp += rp) {
         vec qv[RV];
-        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) qv[i] = VLOAD(qp + i * VW);
-        const vec b0 = VSET1(k0[d]), b1 = VSET1(k1[d]), b2 = VSET1(k2[d]), b3 = VSET1(k3[d]);
         _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) {
-            a[0][i] = VFMA(qv[i], b0, a[0][i]);
-            if (np > 1) a[1][i] = VFMA(qv[i], b1, a[1][i]);
-            if (np > 2) a[2][i] = VFMA(qv[i], b2, a[2][i]);
-            if (np > 3) a[3][i] = VFMA(qv[i], b3, a[3][i]);
+            qv[i] = VLOAD(qp + i * VW);
+#if VW == 16
+            __asm__("" : "+v"(qv[i]));             /* one load per vector, not one per multiply-add */
+#endif
+        }
+        _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) if (j < np) {
+            const vec b = VSET1(k[j][d]);
+            _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) a[j][i] = VFMA(qv[i], b, a[j][i]);
         }
     }
-    _Pragma("GCC unroll 4") for (int j = 0; j < KP; j++) if (j < np)
+    _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) if (j < np)
         _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv)
             VSTORE(sc + (int64_t)(p + j) * rp + (v0 + i) * VW, VMUL(a[j][i], sv));
 }
 
-#define SCORE_FN(np, nv)                                                                          \
+#define SCORE_FN(np, nv) SCORE_FN_(np, nv)   /* expands KP first */
+#define SCORE_FN_(np, nv)                                                                         \
     static void score##np##_##nv(const float *qt, int64_t rp, const float *const *kr, int p, int v0, int D, \
                                  vec sv, float *sc) {                                            \
         score_tile(qt, rp, kr, p, np, v0, nv, D, sv, sc);                                        \
     }
-SCORE_FN(4, 3) SCORE_FN(4, 2) SCORE_FN(4, 1) SCORE_FN(1, 3) SCORE_FN(1, 2) SCORE_FN(1, 1)
+SCORE_FN(KP, 3) SCORE_FN(KP, 2) SCORE_FN(KP, 1) SCORE_FN(1, 3) SCORE_FN(1, 2) SCORE_FN(1, 1)
 typedef void (*ScoreFn)(const float *, int64_t, const float *const *, int, int, int, vec, float *);
-static const ScoreFn SCORE4[RV + 1] = {0, score4_1, score4_2, score4_3};
-static const ScoreFn SCORE1[RV + 1] = {0, score1_1, score1_2, score1_3};
+#define SCORE_FNS(np) {0, score##np##_1, score##np##_2, score##np##_3}
+#define SCORE_FNS_OF(np) SCORE_FNS(np)
+static const ScoreFn SCORE_KP[RV + 1] = SCORE_FNS_OF(KP);
+static const ScoreFn SCORE1[RV + 1] = SCORE_FNS(1);
 
 /* Rows r0 .. r0 + nr - 1 (nr <= RP), columns [c0, c0 + nd * VW) of the value sums acc [R][D]: += w[p][r] v_p
  * for keys [p0, p1) in order (from 0 when `first`); row r's weights are 0 past its keys. Storing and
@@ -218,27 +247,59 @@ static const ValueFn VALUE[DV + 1][7] = {{0}, VALUE_ROW_FNS(1), VALUE_ROW_FNS(2)
  * the row's keys); inv[r] = 1 / the sum over p in order. Up to SV row vectors go down the keys
  * together (independent chains: a row's sum is one chain over p). */
 #define SV 4
+#if VW == 16
+/* Keys [shared, nk), which only some lanes see: the lane-by-lane steps of the scalar version below,
+ * under masks (a lane past its keys keeps its max, weighs 0 and adds 0 to its sum). */
+static void softmax_tail_max(const float *col, int64_t rp, int nv, int shared, int nk, const float *l, vec *mv) {
+    for (int p = shared; p < nk; p++)
+        for (int i = 0; i < nv; i++) {
+            const vec x = VLOAD(col + p * rp + i * VW);
+            const __mmask16 sees = _mm512_cmp_ps_mask(VSET1((float)p), VLOAD(l + i * VW), _CMP_LT_OQ);
+            mv[i] = _mm512_mask_mov_ps(mv[i], sees & _mm512_cmp_ps_mask(x, mv[i], _CMP_GT_OQ), x);
+        }
+}
+
+static void softmax_tail_exp(float *col, int64_t rp, int nv, int shared, int nk, const float *l, const vec *mv,
+                             vec *sum) {
+    for (int p = shared; p < nk; p++)
+        for (int i = 0; i < nv; i++) {
+            const __mmask16 sees = _mm512_cmp_ps_mask(VSET1((float)p), VLOAD(l + i * VW), _CMP_LT_OQ);
+            const vec w = _mm512_maskz_mov_ps(sees, VEXP(VSUB(VLOAD(col + p * rp + i * VW), mv[i])));
+            VSTORE(col + p * rp + i * VW, w);
+            sum[i] = VADD(sum[i], w);
+        }
+}
+#endif
+
 static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, const float *lim, float *inv) {
     for (int i0 = 0; i0 < nvec; i0 += SV) {
         const int nv = nvec - i0 < SV ? nvec - i0 : SV;
         float *col = sc + i0 * VW;
-        float m[SV * VW], s[SV * VW], e[SV * VW];
         const float *l = lim + i0 * VW;
         vec mv[SV], sum[SV];
         for (int i = 0; i < SV; i++) { mv[i] = VSET1(-INFINITY); sum[i] = VZERO(); }
         for (int p = 0; p < shared; p++)
             for (int i = 0; i < nv; i++) mv[i] = VMAX(mv[i], VLOAD(col + p * rp + i * VW));
+#if VW == 16
+        softmax_tail_max(col, rp, nv, shared, nk, l, mv);
+#else
+        float m[SV * VW], s[SV * VW], e[SV * VW];
         for (int i = 0; i < nv; i++) VSTORE(m + i * VW, mv[i]);
         for (int p = shared; p < nk; p++)
             for (int j = 0; j < nv * VW; j++)
                 if (p < l[j] && col[p * rp + j] > m[j]) m[j] = col[p * rp + j];
         for (int i = 0; i < nv; i++) mv[i] = VLOAD(m + i * VW);
+#endif
         for (int p = 0; p < shared; p++)
             for (int i = 0; i < nv; i++) {
                 const vec w = VEXP(VSUB(VLOAD(col + p * rp + i * VW), mv[i]));
                 VSTORE(col + p * rp + i * VW, w);
                 sum[i] = VADD(sum[i], w);
             }
+#if VW == 16
+        softmax_tail_exp(col, rp, nv, shared, nk, l, mv, sum);
+        for (int i = 0; i < nv; i++) VSTORE(inv + i0 * VW + i * VW, _mm512_div_ps(VSET1(1.0f), sum[i]));
+#else
         for (int i = 0; i < nv; i++) VSTORE(s + i * VW, sum[i]);
         for (int p = shared; p < nk; p++) {
             for (int i = 0; i < nv; i++) VSTORE(e + i * VW, VEXP(VSUB(VLOAD(col + p * rp + i * VW), mv[i])));
@@ -249,6 +310,7 @@ static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, co
             }
         }
         for (int j = 0; j < nv * VW; j++) inv[i0 * VW + j] = 1.0f / s[j];
+#endif
     }
 }
 
@@ -275,7 +337,7 @@ static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, 
 }
 
 /* Task t: sequence b, KV head h, query positions [i0, i1) of the sequence's new tokens. */
-static void task(const Args *a, int64_t t, float *scratch) {
+static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     int b = 0;
     {   /* the sequence whose tasks contain t */
         int lo = 0, hi = a->B;
@@ -296,8 +358,12 @@ static void task(const Args *a, int64_t t, float *scratch) {
     float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + converted(a->k_kind, lmax, D);
     float *lim = vb + converted(a->v_kind, lmax, D), *inv = lim + rp, *acc = inv + 2 * rp;
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
-    head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, nk, h, D, W, kb, kr);
-    head_rows(a->v, a->v_scale, a->v_kind, a->G, pages, a->S, nk, h, D, W, vb, vr);
+    if (have->b != b || have->h != h) *have = (HeadRows){b, h, 0};
+    if (have->n < nk) {
+        head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, have->n, nk, h, D, W, kb, kr);
+        head_rows(a->v, a->v_scale, a->v_kind, a->G, pages, a->S, have->n, nk, h, D, W, vb, vr);
+        have->n = nk;
+    }
     /* rows r = j * G + g: position start + i0 + j, query head h * G + g; padding rows are zero */
     const int64_t first_row = ((int64_t)(a->q_start[b] + i0) * a->Hq + h * G) * D;   /* of row 0 in q and out */
     for (int r = 0; r < rp; r++) lim[r] = r < R ? (float)(start + i0 + r / G + 1) : 1.0f;
@@ -306,7 +372,7 @@ static void task(const Args *a, int64_t t, float *scratch) {
     for (int v0 = 0; v0 < nvec; v0 += RV) {
         const int nv = nvec - v0 < RV ? nvec - v0 : RV;
         int p = 0;
-        for (; p + KP <= nk; p += KP) SCORE4[nv](qt, rp, kr, p, v0, D, sv, sc);
+        for (; p + KP <= nk; p += KP) SCORE_KP[nv](qt, rp, kr, p, v0, D, sv, sc);
         for (; p < nk; p++) SCORE1[nv](qt, rp, kr, p, v0, D, sv, sc);
     }
     softmax_rows(sc, rp, nvec, start + i0 + 1, nk, lim, inv);
@@ -339,8 +405,9 @@ static void pool_task(void *ctx, int tid, int nth) {
     (void)nth;
     const Args *a = (const Args *)ctx;
     float *scratch = a->scratch + (int64_t)tid * paged_prefill_scratch_floats(a->Hq, a->Hkv, a->D, a->lmax, a->k_kind, a->v_kind);
+    HeadRows have = {-1, -1, 0};
     for (int64_t t = atomic_fetch_add(a->next_task, 1); t < a->ntasks; t = atomic_fetch_add(a->next_task, 1))
-        task(a, t, scratch);
+        task(a, t, scratch, &have);
 }
 #endif
 
