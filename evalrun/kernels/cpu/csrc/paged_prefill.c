@@ -24,9 +24,9 @@
  *   out  = (sum over p in order of w[p] v[p]) * (1 / sum over p in order of w[p]).
  * Nothing in a row's arithmetic depends on the other rows, the task's size or the batch, so a
  * token's output is bitwise the same however its sequence is chunked or batched (batch invariance).
- * Float32 rows are read in place through the page table; other kinds are converted into a per-thread
- * buffer that the thread's next task of the same sequence and head extends (tasks come in position
- * order). Tasks are claimed one at a time by the threads of the shared pool (pool.h).
+ * The head's K and V rows are read through the page table into per-thread float32 buffers (copied,
+ * converted or dequantized), which the thread's next task of the same sequence and head extends
+ * (tasks come in position order). Tasks are claimed one at a time by the threads of the shared pool (pool.h).
  * The torch reference is kernels.attention.attend (SDPA on the gathered context).
  */
 #include <math.h>
@@ -96,15 +96,14 @@ static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int64_t rows_pad(int Hq, int Hkv) { return round_up((int64_t)(Hq / Hkv) * QT, VW); }
 
 /* Floats of scratch per thread: row pointers [2][lmax] (two floats' room each, first: aligned), the
- * transposed queries [D][Rp], the scores [lmax][Rp], converted K rows and V rows [lmax][D] (each only
- * for a kind other than float32, which is read in place), the rows' key counts and inverse sums
- * [3][Rp], the value sums [Rp][D]. */
-static int64_t converted(int kind, int lmax, int D) { return kind == KIND_F32 ? 0 : (int64_t)lmax * D; }
+ * transposed queries [D][Rp], the scores [lmax][Rp], the K rows and V rows as float32 [lmax][D], the
+ * rows' key counts and inverse sums [3][Rp], the value sums [Rp][D]. */
 
 int64_t paged_prefill_scratch_floats(int Hq, int Hkv, int D, int lmax, int k_kind, int v_kind) {
     if (Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || lmax < 1) return 0;
     const int64_t rp = rows_pad(Hq, Hkv);
-    return 2 * rp * D + (int64_t)lmax * rp + converted(k_kind, lmax, D) + converted(v_kind, lmax, D)
+    (void)k_kind; (void)v_kind;
+    return 2 * rp * D + (int64_t)lmax * rp + 2 * (int64_t)lmax * D
            + 4 * (int64_t)lmax + 3 * rp + 16;
 }
 
@@ -128,24 +127,26 @@ typedef struct {
     atomic_long *next_task;
 } Args;
 
-/* Head h of positions [from, n) as float32 row pointers: in place (float32) or converted into buf. */
+/* Head h of positions [from, n) as float32 rows in buf [n][D] (copied, converted or dequantized: float32
+ * rows too, which the tiles then read from consecutive lines instead of one page slot apart), and
+ * rows[p] = buf + p * D. */
 static void head_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages, int S,
                       int from, int n, int h, int D, int W, float *buf, const float **rows) {
+    const int64_t esize = kind == KIND_F32 ? 4 : kind == KIND_BF16 || kind == KIND_F16 ? 2 : kind == KIND_Q8 ? 1 : 0;
     for (int p0 = from / S * S; p0 < n; p0 += S) {   /* page by page: slots are consecutive within one */
         const int64_t slot = (int64_t)pages[p0 / S] * S;
         const int pb = p0 > from ? p0 : from, pe = p0 + S < n ? p0 + S : n;
-        if (kind == KIND_F32) {
-            const float *row = (const float *)cache + (slot + pb - p0) * W + (int64_t)h * D;
-            for (int p = pb; p < pe; p++, row += W) rows[p] = row;
-        } else {
-            const int64_t esize = kind == KIND_BF16 || kind == KIND_F16 ? 2 : kind == KIND_Q8 ? 1 : 0;
-            const char *base = (const char *)cache + (slot * W + (int64_t)h * D) * esize;
-            for (int p = pb; p < pe; p++) {
-                if (esize && p + PF < pe)       /* the row PF slots ahead: its lines are far away in memory */
-                    for (int64_t off = 0; off < D * esize; off += 64)
-                        __builtin_prefetch(base + (int64_t)(p + PF - p0) * W * esize + off);
-                rows[p] = load_head(cache, scales, kind, G, slot + p - p0, h, D, W, buf + (int64_t)p * D);
-            }
+        const char *base = (const char *)cache + (slot * W + (int64_t)h * D) * esize;
+        for (int p = pb; p < pe; p++) {
+            float *row = buf + (int64_t)p * D;
+            if (esize && p + PF < pe)           /* the row PF slots ahead: its lines are far away in memory */
+                for (int64_t off = 0; off < D * esize; off += 64)
+                    __builtin_prefetch(base + (int64_t)(p + PF - p0) * W * esize + off);
+            if (kind == KIND_F32)
+                memcpy(row, base + (int64_t)(p - p0) * W * esize, sizeof(float) * (size_t)D);
+            else
+                load_head(cache, scales, kind, G, slot + p - p0, h, D, W, row);
+            rows[p] = row;
         }
     }
 }
@@ -317,23 +318,10 @@ static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, co
 /* qt [D][rp] = the task's R query rows transposed (row r = j * G + g at q + j * ldj + g * D), rows
  * R .. nvec * VW - 1 zero. */
 static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, int D, int64_t rp, float *qt) {
-#if VW == 16
-    for (int i = 0; i < nvec; i++) {
-        int32_t off[16];
-        int n = 0;
-        for (; n < 16 && i * 16 + n < R; n++) off[n] = (int32_t)((i * 16 + n) / G * ldj + (i * 16 + n) % G * D);
-        const __mmask16 live = (__mmask16)((1u << n) - 1);
-        for (int k = n; k < 16; k++) off[k] = 0;
-        const __m512i idx = _mm512_loadu_si512(off);
-        for (int d = 0; d < D; d++)
-            _mm512_storeu_ps(qt + (int64_t)d * rp + i * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, q + d, 4));
-    }
-#else
-    for (int r = 0; r < nvec * VW; r++) {
+    for (int r = 0; r < nvec * VW; r++) {    /* stores, not gathers: AMD's gathers cost ~1 cycle a lane */
         const float *qr = r < R ? q + (int64_t)(r / G) * ldj + (int64_t)(r % G) * D : 0;
         for (int d = 0; d < D; d++) qt[(int64_t)d * rp + r] = qr ? qr[d] : 0.0f;
     }
-#endif
 }
 
 /* Task t: sequence b, KV head h, query positions [i0, i1) of the sequence's new tokens. */
@@ -355,8 +343,8 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     const int64_t rp = rows_pad(a->Hq, Hkv), lmax = a->lmax;
     const int nvec = (R + VW - 1) / VW;
     const float **kr = (const float **)scratch, **vr = kr + lmax;
-    float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + converted(a->k_kind, lmax, D);
-    float *lim = vb + converted(a->v_kind, lmax, D), *inv = lim + rp, *acc = inv + 2 * rp;
+    float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + lmax * D;
+    float *lim = vb + lmax * D, *inv = lim + rp, *acc = inv + 2 * rp;
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     if (have->b != b || have->h != h) *have = (HeadRows){b, h, 0};
     if (have->n < nk) {
