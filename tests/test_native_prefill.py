@@ -65,14 +65,15 @@ def _whole(q, layer, meta, b):
             cu[b + 1:b + 2] - cu[b:b + 1])
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_native_prefill_is_chunk_and_batch_invariant(threads):
+@pytest.mark.parametrize("mode,threads", [("fp32", 1), ("fp32", 2), ("bf16", 2), ("bf16", 3), ("q8", 2)])
+def test_native_prefill_is_chunk_and_batch_invariant(mode, threads):
     """Each sequence's outputs, bitwise: alone, among the others, split into chunks of 1, 7 and 16
     positions (each chunk attending the positions before it, as chunked prefill runs), and at one
-    or two threads."""
+    to three threads (each thread reuses the K/V rows it converted for its previous task of the same
+    head, and takes tasks from the others' ranges when its own are done)."""
     _need_native()
     lens = [300, 45, 130, 17, 64]
-    q, layer, meta = _paged_case(9, 3, 64, 16, lens, "fp32", seed=5, q_lens=[300, 20, 130, 17, 40])
+    q, layer, meta = _paged_case(9, 3, 64, 16, lens, mode, seed=5, q_lens=[300, 20, 130, 17, 40])
     for t in layer.data_tensors():
         t.nan_to_num_(0.0)
     before = torch.get_num_threads()
@@ -82,7 +83,8 @@ def test_native_prefill_is_chunk_and_batch_invariant(threads):
                                                   meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1], 0.125)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(full, paged_attention_torch(q, layer, meta, 0.125), atol=2e-6, rtol=1e-5)
+    if not layer.fmt.rotate:                                  # rotating formats: through attend (the test above)
+        torch.testing.assert_close(full, paged_attention_torch(q, layer, meta, 0.125), atol=2e-6, rtol=1e-5)
     cu = meta.cu_seqlens_q.long()
     for b in range(len(lens)):
         qb, table, length, n = _whole(q, layer, meta, b)

@@ -121,12 +121,14 @@ def _scratch(floats: int) -> torch.Tensor:
 
 
 def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float,
-          dest: Optional[torch.Tensor] = None) -> torch.Tensor:
+          dest: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+    """lib: another build of paged_prefill.c with the same SIGNATURES (benchmarks/bench_prefill_attention.py
+    times an older source against this one); default the one native.load built."""
     t, hq, d = q.shape
     b, s, hkv = seqs.table.shape[0], layer.page_size, layer.num_kv_heads
     if b == 0:
         return torch.empty(0, hq, d, dtype=q.dtype)
-    lib = _lib()
+    lib = lib or _lib()
     qf = q.float().contiguous()
     threads = num_threads(seqs.work, hq, d)
     k_kind, v_kind = kinds(layer)

@@ -26,7 +26,9 @@
  * token's output is bitwise the same however its sequence is chunked or batched (batch invariance).
  * The head's K and V rows are read through the page table into per-thread float32 buffers (copied,
  * converted or dequantized), which the thread's next task of the same sequence and head extends
- * (tasks come in position order). Tasks are claimed one at a time by the threads of the shared pool (pool.h).
+ * (tasks come in position order). Tasks are claimed one at a time by the threads of the shared pool
+ * (pool.h): each thread first from its own range of consecutive tasks, then from what is left of the
+ * others' (so a head's rows are mostly converted once).
  * The torch reference is kernels.attention.attend (SDPA on the gathered context).
  */
 #include <math.h>
@@ -109,6 +111,11 @@ int64_t paged_prefill_scratch_floats(int Hq, int Hkv, int D, int lmax, int k_kin
 
 #if PREFILL_SIMD
 
+#define MAX_RANGES 64
+typedef struct {
+    _Alignas(64) atomic_long next;   /* the range's next unclaimed task, on a line of its own */
+} Range;
+
 typedef struct {
     const float *q;
     const void *k, *v;
@@ -124,7 +131,8 @@ typedef struct {
     int lmax;
     const int64_t *first_task;     /* [B + 1] tasks before sequence b */
     int64_t ntasks;
-    atomic_long *next_task;
+    int nranges;
+    Range *ranges;                 /* [nranges]: range r is tasks [ntasks r / nranges, ntasks (r + 1) / nranges) */
 } Args;
 
 /* Head h of positions [from, n) as float32 rows in buf [n][D] (copied, converted or dequantized: float32
@@ -394,8 +402,13 @@ static void pool_task(void *ctx, int tid, int nth) {
     const Args *a = (const Args *)ctx;
     float *scratch = a->scratch + (int64_t)tid * paged_prefill_scratch_floats(a->Hq, a->Hkv, a->D, a->lmax, a->k_kind, a->v_kind);
     HeadRows have = {-1, -1, 0};
-    for (int64_t t = atomic_fetch_add(a->next_task, 1); t < a->ntasks; t = atomic_fetch_add(a->next_task, 1))
-        task(a, t, scratch, &have);
+    /* its own range first, in order (one conversion per head mostly), then what is left of the others' */
+    for (int k = 0; k < a->nranges; k++) {
+        Range *r = &a->ranges[(tid + k) % a->nranges];
+        const int64_t end = a->ntasks * ((tid + k) % a->nranges + 1) / a->nranges;
+        for (int64_t t = atomic_fetch_add(&r->next, 1); t < end; t = atomic_fetch_add(&r->next, 1))
+            task(a, t, scratch, &have);
+    }
 }
 #endif
 
@@ -423,9 +436,11 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, cons
     }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > first[B]) nthreads = (int)first[B];
-    atomic_long next = 0;
+    if (nthreads > MAX_RANGES) nthreads = MAX_RANGES;
+    Range ranges[MAX_RANGES];
+    for (int r = 0; r < nthreads; r++) atomic_init(&ranges[r].next, first[B] * r / nthreads);
     Args args = {q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens,
-                 q_start, q_len, out, B, Hq, Hkv, D, S, scale, scratch, lmax, first, first[B], &next};
+                 q_start, q_len, out, B, Hq, Hkv, D, S, scale, scratch, lmax, first, first[B], nthreads, ranges};
     evalrun_pool_run(pool_task, &args, nthreads);
     free(first);
     return 0;
