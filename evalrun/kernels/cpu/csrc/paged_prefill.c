@@ -336,20 +336,34 @@ static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, 
     }
 }
 
-/* Task t: sequence b, KV head h, query positions [i0, i1) of the sequence's new tokens. */
-static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
-    int b = 0;
-    {   /* the sequence whose tasks contain t */
-        int lo = 0, hi = a->B;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (a->first_task[mid] <= t) lo = mid; else hi = mid;
-        }
-        b = lo;
+/* Task t: sequence b, KV head h, query positions [i0, i0 + QT) (at most) of the sequence's new tokens. */
+typedef struct {
+    int b, h, i0;
+} Where;
+
+static Where locate(const Args *a, int64_t t) {
+    int lo = 0, hi = a->B;                 /* the sequence whose tasks contain t */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (a->first_task[mid] <= t) lo = mid; else hi = mid;
     }
+    const int64_t local = t - a->first_task[lo], tiles = (a->q_len[lo] + QT - 1) / QT;
+    return (Where){lo, (int)(local / tiles), (int)(local % tiles) * QT};
+}
+
+/* The query rows of task t (their lines come from memory), fetched while the task before it runs. */
+static void prefetch_queries(const Args *a, int64_t t) {
+    const Where w = locate(a, t);
+    const int G = a->Hq / a->Hkv, npos = a->q_len[w.b] - w.i0 < QT ? a->q_len[w.b] - w.i0 : QT;
+    const float *q = a->q + ((int64_t)(a->q_start[w.b] + w.i0) * a->Hq + w.h * G) * a->D;
+    for (int j = 0; j < npos; j++)
+        for (int i = 0; i < G * a->D; i += 16) __builtin_prefetch(q + (int64_t)j * a->Hq * a->D + i, 0, 2);
+}
+
+static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
+    const Where w = locate(a, t);
+    const int b = w.b, h = w.h, i0 = w.i0;
     const int Hkv = a->Hkv, G = a->Hq / Hkv, D = a->D, W = Hkv * D;
-    const int64_t local = t - a->first_task[b], tiles = (a->q_len[b] + QT - 1) / QT;
-    const int h = (int)(local / tiles), i0 = (int)(local % tiles) * QT;
     const int n = a->q_len[b], L = a->seq_lens[b], start = L - n;
     const int i1 = i0 + QT < n ? i0 + QT : n, npos = i1 - i0, nk = start + i1, R = G * npos;
     const int64_t rp = rows_pad(a->Hq, Hkv), lmax = a->lmax;
@@ -410,8 +424,10 @@ static void pool_task(void *ctx, int tid, int nth) {
     for (int k = 0; k < a->nranges; k++) {
         Range *r = &a->ranges[(tid + k) % a->nranges];
         const int64_t end = a->ntasks * ((tid + k) % a->nranges + 1) / a->nranges;
-        for (int64_t t = atomic_fetch_add(&r->next, 1); t < end; t = atomic_fetch_add(&r->next, 1))
+        for (int64_t t = atomic_fetch_add(&r->next, 1); t < end; t = atomic_fetch_add(&r->next, 1)) {
+            if (t + 1 < end) prefetch_queries(a, t + 1);    /* most likely this thread's next task */
             task(a, t, scratch, &have);
+        }
     }
 }
 #endif
