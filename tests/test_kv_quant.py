@@ -425,7 +425,11 @@ def test_native_backend_writes_and_rotates_natively_for_code_formats(monkeypatch
     from evalrun.kernels.backend import NativeCpuKernels
     backend = NativeCpuKernels()
     assert backend.describe(KV_FORMATS["q4"])["kv_write"] == "native-c"
-    assert backend.describe(KV_FORMATS["fp32"], torch.bfloat16)["kv_write"] == "torch"
+    # a bf16 model's K/V: written by the rope kernel where its rows are float32 (the bf16 GEMM), else torch's
+    from evalrun.kernels.linear import linear_backend
+    bf16_rows = "native-c rope_write" if linear_backend("cpu", torch.bfloat16) == "native-bf16" else "torch"
+    assert backend.describe(KV_FORMATS["fp32"], torch.bfloat16)["kv_write"] == bf16_rows
+    assert backend.describe(KV_FORMATS["fp32"], torch.float16)["kv_write"] == "torch"
     assert backend.describe(KV_FORMATS["fp32"])["kv_write"] == "native-c rope_write"
     layer = LayerKV.allocate(PAGE_FORMATS["q4"], 5, 8, 2, 64, torch.device("cpu"))
     backend.write_kv(torch.randn(32, 2, 64), torch.randn(32, 2, 64), layer, torch.arange(32))   # pages 0-3 whole
