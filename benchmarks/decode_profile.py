@@ -57,11 +57,11 @@ class _Timer:
 
 
 def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, warm: int = 4,
-                  blocks: int = 1, roof_n: int = 2048) -> dict[str, Any]:
+                  blocks: int = 1, roof_n: int = 2048, mode: str = "fp32") -> dict[str, Any]:
     """Per-stage ms per step over `steps` steps, timed in `blocks` blocks; with blocks > 1 each
     block is preceded by an sgemm roof measurement (roof_n^3) and its figures are kept apart."""
     prompts = curve_prompts(tokenizer, rows, 128)
-    cache = PagedCache(model, max_tokens=rows * 2 * 256, page_size=256, mode="fp32")
+    cache = PagedCache(model, max_tokens=rows * 2 * 256, page_size=256, mode=mode)
     gen = DynamicGenerator(model, cache, tokenizer)
     gen.enqueue([DynamicJob(ids, max_new_tokens=steps + warm + 4, identifier=i) for i, ids in enumerate(prompts)])
     started: set[int] = set()
@@ -83,7 +83,7 @@ def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, war
             n = bounds[b + 1] - bounds[b]
             if n == 0:
                 continue
-            roof = sgemm_gflops(roof_n, repeat=2) if blocks > 1 else None
+            roof = sgemm_gflops(roof_n, repeat=2, dtype=model.dtype) if blocks > 1 else None
             head_s = head.seconds
             decode_step.profile(True)
             t = time.perf_counter()
@@ -152,6 +152,14 @@ def block_shares(blocks: list[dict[str, Any]], rows: int, work: dict[str, float]
     return out
 
 
+def _roofs(dtype: torch.dtype) -> Any:
+    """The machine's roofs, the matmul one in the model's dtype."""
+    roofs = measure_roofs()
+    if dtype != torch.float32:
+        roofs["sgemm_gflops"] = sgemm_gflops(roofs["sgemm_n"], roofs["repeat"], dtype)
+    return roofs
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="32", help="comma-separated row counts (default 32)")
@@ -159,20 +167,26 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p.add_argument("--blocks", type=int, default=8,
                    help="time the steps in this many blocks, each after its own sgemm roof (default 8; 1: none)")
     p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model dtype (its cache mode: fp32 / bf16); the linears' roof is torch's matmul "
+                        "in this dtype (bfloat16: the bf16 matmul roof, reported under sgemm_gflops)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     model_dir = a.model or ensure_demo_model()
-    roofs = measure_roofs()
+    dtype, mode = getattr(torch, a.dtype), {"float32": "fp32", "bfloat16": "bf16"}[a.dtype]
+    roofs = _roofs(dtype)
     print(f"roofs at start: {format_roofs(roofs)}")
     tokenizer = Tokenizer.load(model_dir)
-    model = Model.load(model_dir, dtype="float32")
-    warm_up_ours(model, tokenizer, "fp32", 256, "def f(x):")
-    points = [profile_steps(model, tokenizer, int(r), a.steps, blocks=max(1, a.blocks)) for r in a.rows.split(",")]
-    end = measure_roofs()
+    model = Model.load(model_dir, dtype=a.dtype)
+    warm_up_ours(model, tokenizer, mode, 256, "def f(x):")
+    points = [profile_steps(model, tokenizer, int(r), a.steps, blocks=max(1, a.blocks), mode=mode)
+              for r in a.rows.split(",")]
+    end = _roofs(dtype)
     print(f"roofs at end:   {format_roofs(end)}")
     roofs = best_roofs(roofs, end)
     work = model_work(model_dir)
-    result = {"roofs": roofs, "threads": torch.get_num_threads(), "points": [report(pt, work, roofs) for pt in points]}
+    result = {"dtype": a.dtype, "roofs": roofs, "threads": torch.get_num_threads(),
+              "points": [report(pt, work, roofs) for pt in points]}
     if a.out:
         write_result(a.out, result)
     return result

@@ -44,9 +44,10 @@ def _best_seconds(fn: Callable[[], Any], repeat: int) -> float:
     return best
 
 
-def sgemm_gflops(n: int = 2048, repeat: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+def sgemm_gflops(n: int = 2048, repeat: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """torch's n^3 matmul rate in `dtype` (float32: the sgemm roof; bfloat16: the bf16 matmul roof)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
     return 2 * n ** 3 / _best_seconds(lambda: torch.mm(a, b, out=out), repeat) / 1e9
 
 

@@ -48,6 +48,9 @@
 #define BF_CHUNKS 8                     /* panel-group ranges per thread (claimed dynamically) */
 #define BF_CHUNKS_LARGE 2               /* ... for calls of BF_LARGE_M rows or more (each range re-reads x) */
 #define BF_LARGE_M 256
+#ifndef BF_PF_HINT
+#define BF_PF_HINT _MM_HINT_T0
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define BF_NATIVE 1
@@ -168,7 +171,7 @@ typedef void (*bf_TileFn)(const uint32_t *x0, int64_t ldp, const uint32_t *bp, i
     }
 #define BF_NSTEP BF_NB(0) BF_NB(1) BF_NB(2) BF_NB(3) BF_NROW(0) BF_NROW(1) BF_NROW(2) BF_NROW(3) BF_NROW(4) BF_NROW(5) BF_NROW(6) BF_NROW(7)
 
-#define BF_PF(p) if (P > p) _mm_prefetch((const char *)(pf + p * ps), _MM_HINT_T0);
+#define BF_PF(p) if (P > p) _mm_prefetch((const char *)(pf + p * ps), BF_PF_HINT);
 
 /* ... and the first pf_n steps prefetch one line of each panel of the next slice pf (the weights
  * stream from memory in a decode step: the tiles of a block fetch the next slice between them) */
