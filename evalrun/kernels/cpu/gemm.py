@@ -15,7 +15,7 @@ says why the native path cannot be used, or None. Where the CPU has AVX-512 the 
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -84,15 +84,38 @@ def set_width(bits: int, lib: Optional[ctypes.CDLL] = None) -> int:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float32 CPU -> its panels (a flat float32 tensor)."""
     lib = _lib()
-    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"gemm.pack takes a float32 CPU [N, K] weight (and AVX2/FMA), got "
+    return pack_into(weight, torch.float32, torch.float32, None if lib is None else lib.gemm_packed_floats,
+                     None if lib is None else lib.gemm_pack_f32, "gemm.pack", " (and AVX2/FMA)")
+
+
+def pack_into(weight: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype, size: Any, pack_fn: Any,
+              what: str, needs: str = "") -> torch.Tensor:
+    """A [N, K] `dtype` CPU weight packed by a native library's pack_fn(w, N, K, out) into a flat
+    out_dtype tensor of size(N, K) elements on huge pages (streamed every decode step); size and
+    pack_fn None: the library is unavailable."""
+    if pack_fn is None or weight.dtype != dtype or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"{what} takes a {str(dtype).removeprefix('torch.')} CPU [N, K] weight{needs}, got "
                          f"{tuple(weight.shape)} {weight.dtype} {weight.device}")
     n, k = weight.shape
     w = weight.contiguous()
-    out = huge_pages.empty((lib.gemm_packed_floats(n, k),), torch.float32)     # streamed every decode step
-    if lib.gemm_pack_f32(w.data_ptr(), n, k, out.data_ptr()) != 0:
-        raise ValueError(f"gemm.pack cannot take shape {tuple(weight.shape)}")
+    out = huge_pages.empty((size(n, k),), out_dtype)
+    if pack_fn(w.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"{what} cannot take shape {tuple(weight.shape)}")
     return out
+
+
+def epilogue_operands(bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], m: int,
+                      n: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """bias [N] and residual [M, N] as contiguous float32 (or None), checked against the output's shape."""
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+        if bias.shape != (n,):
+            raise ValueError(f"bias {tuple(bias.shape)} is not the output's ({n},)")
+    if residual is not None:
+        residual = residual.to(torch.float32).contiguous()
+        if residual.shape != (m, n):
+            raise ValueError(f"residual {tuple(residual.shape)} is not the output's {(m, n)}")
+    return bias, residual
 
 
 def _rows(x: torch.Tensor, panels: torch.Tensor, n: int, what: str) -> tuple[ctypes.CDLL, torch.Tensor]:
@@ -118,14 +141,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
     `pack`; bias [N] and residual [M, N] float32 or None. Returns a new [M, N] tensor."""
     lib, x = _rows(x, panels, n, "gemm")
     m, k = x.shape
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-        if bias.shape != (n,):
-            raise ValueError(f"bias {tuple(bias.shape)} is not the output's ({n},)")
-    if residual is not None:
-        residual = residual.to(torch.float32).contiguous()
-        if residual.shape != (m, n):
-            raise ValueError(f"residual {tuple(residual.shape)} is not the output's {(m, n)}")
+    bias, residual = epilogue_operands(bias, residual, m, n)
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y

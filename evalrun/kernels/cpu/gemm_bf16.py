@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from . import huge_pages, native
+from . import native
+from .gemm import epilogue_operands, pack_into
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {
@@ -75,15 +76,8 @@ def set_path(name: str) -> str:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bfloat16 CPU -> its panels (a flat int16 tensor of bf16 bits)."""
     lib = _lib()
-    if lib is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"gemm_bf16.pack takes a bfloat16 CPU [N, K] weight, got {tuple(weight.shape)} "
-                         f"{weight.dtype} {weight.device}")
-    n, k = weight.shape
-    w = weight.contiguous()
-    out = huge_pages.empty((lib.gemm_bf16_packed_u16(n, k),), torch.int16)     # streamed every decode step
-    if lib.gemm_bf16_pack(w.data_ptr(), n, k, out.data_ptr()) != 0:
-        raise ValueError(f"gemm_bf16.pack cannot take shape {tuple(weight.shape)}")
-    return out
+    return pack_into(weight, torch.bfloat16, torch.int16, None if lib is None else lib.gemm_bf16_packed_u16,
+                     None if lib is None else lib.gemm_bf16_pack, "gemm_bf16.pack")
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
@@ -100,14 +94,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
             or panels.numel() != lib.gemm_bf16_packed_u16(n, k)):
         raise ValueError(f"gemm_bf16 takes float32/bfloat16 CPU rows [M, K] matching the packed weight's K, "
                          f"got {tuple(x.shape)} {x.dtype} {x.device} for N={n}, out {out_dtype}")
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-        if bias.shape != (n,):
-            raise ValueError(f"bias {tuple(bias.shape)} is not the output's ({n},)")
-    if residual is not None:
-        residual = residual.to(torch.float32).contiguous()
-        if residual.shape != (m, n):
-            raise ValueError(f"residual {tuple(residual.shape)} is not the output's {(m, n)}")
+    bias, residual = epilogue_operands(bias, residual, m, n)
     y = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
         return y

@@ -133,7 +133,17 @@ static void bf_epilogue(const bf_Gemm *g, int i0, int R, int p0, int P, const fl
         const float *a = acc + r * P * BF_PW;
         const float *res = g->residual ? g->residual + (int64_t)(i0 + r) * g->N + c0 : 0;
         const int64_t at = (int64_t)(i0 + r) * g->N + c0;
-        for (int j = 0; j < cols; j++) {
+        int j = 0;
+#if BF_Z
+        if (!g->y_bf16)             /* float32 out, 16 at a time: the same adds in the same order */
+            for (float *y = (float *)g->y + at; j + 16 <= cols; j += 16) {
+                __m512 v = _mm512_loadu_ps(a + j);
+                if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + j));
+                if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + j), v);
+                _mm512_storeu_ps(y + j, v);
+            }
+#endif
+        for (; j < cols; j++) {
             float v = a[j];
             if (b) v = v + b[j];
             if (res) v = res[j] + v;
