@@ -122,7 +122,10 @@ def test_linear_dispatch_matches_reference(rows, with_bias):
     torch.testing.assert_close(linear(x, lin).double(), ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(linear(x[:, :], make_linear(w, b, pack=False)).double(), ref, rtol=1e-5, atol=1e-4)
     bf = make_linear(w.bfloat16(), None if b is None else b.bfloat16())
-    assert bf.packed is None and bf.panels is None           # only float32 is prepacked
+    from evalrun.kernels.linear import linear_backend
+    # bf16: the bf16 GEMM's panels where the CPU has vdpbf16ps, else torch's unpacked weight
+    assert bf.packed is None and (bf.panels is not None) == (linear_backend("cpu", torch.bfloat16) == "native-bf16")
+    assert bf.kernel_name == linear_backend("cpu", torch.bfloat16)
     torch.testing.assert_close(linear(x.bfloat16(), bf).double(), ref, rtol=3e-2, atol=0.3)
 
 
