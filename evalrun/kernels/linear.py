@@ -104,23 +104,21 @@ def invariant_unavailable_reason(device: str | torch.device) -> Optional[str]:
 def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack: bool = True,
                 invariant: bool = False) -> Linear:
     """A Linear packed for its kernel; on CPU in float32 (and `pack`) the native GEMM's or oneDNN's
-    layout. invariant: the native GEMM's float32 panels for any dtype, or the Triton linear on CUDA
-    (ValueError where neither can run)."""
+    layout, in bfloat16 the bf16 GEMM's where linear_backend picks it. invariant: the bf16 GEMM for
+    bfloat16, the native GEMM's float32 panels for the other dtypes, or the Triton linear on CUDA
+    (ValueError where none can run)."""
     if invariant:
         reason = invariant_unavailable_reason(weight.device)
         if reason is not None:
             raise ValueError(reason)
-        if weight.device.type == "cuda":
-            return Linear(weight.contiguous(), bias, invariant=True, kernel=linear_invariant_triton,
-                          kernel_name="triton-linear")
-        if linear_backend(weight.device, weight.dtype, invariant=True) == "native-bf16":
-            return Linear(weight, bias, panels=gemm_bf16.pack(weight), invariant=True, kernel=linear_bf16,
-                          kernel_name="native-bf16")
-        return Linear(weight, bias, None, gemm.pack(weight.float()), invariant=True, kernel=linear_gemm_widening,
-                      kernel_name="native-gemm")
-    backend = linear_backend(weight.device, weight.dtype) if pack else "torch"
-    if backend == "native-bf16":
+    backend = linear_backend(weight.device, weight.dtype, invariant) if pack or invariant else "torch"
+    if backend == "native-bf16":                   # batch-invariant by construction, invariant or not
         return Linear(weight, bias, panels=gemm_bf16.pack(weight), invariant=True, kernel=linear_bf16,
+                      kernel_name=backend)
+    if backend == "triton-linear":
+        return Linear(weight.contiguous(), bias, invariant=True, kernel=linear_invariant_triton, kernel_name=backend)
+    if invariant:                                  # native-gemm on float32 panels, rows widened
+        return Linear(weight, bias, None, gemm.pack(weight.float()), invariant=True, kernel=linear_gemm_widening,
                       kernel_name=backend)
     if backend == "native-gemm":
         return Linear(weight, bias, panels=gemm.pack(weight), kernel=linear_gemm, kernel_name=backend)
