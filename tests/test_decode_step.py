@@ -36,14 +36,22 @@ BF16_GEMM = linear_backend("cpu", torch.bfloat16) == "native-bf16"
 needs_bf16_gemm = pytest.mark.skipif(not BF16_GEMM, reason="this CPU lacks avx512_bf16: bf16 linears are torch's")
 
 
+STEP_MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
+               "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+               "mistral-window": ("mistral", {"sliding_window": 24})}
+
+
 @pytest.mark.parametrize("dtype,mode", [("float32", "fp32"), ("float32", "fp16"),
                                         pytest.param("bfloat16", "bf16", marks=needs_bf16_gemm)])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, arch, dtype, mode, count_steps, monkeypatch):
+@pytest.mark.parametrize("case", list(STEP_MODELS))
+def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, case, dtype, mode, count_steps, monkeypatch):
     """Same prompts, a cache each: with the native step and with EVALRUN_DECODE_STEP=0 (per-op
-    path), every logit of every step is bitwise equal (qwen2: with QKV biases), for float32 models
-    on the float32 GEMM and bf16 models on the bf16 GEMM, over float32, float16 and bf16 pages."""
-    model = Model.load(tiny_model_factory(arch), dtype=dtype)
+    path), every logit of every step is bitwise equal (qwen2: with QKV biases; llama-bias: q, k,
+    v, o and MLP biases; mistral-window: a sliding window of 24 that the contexts outgrow), for
+    float32 models on the float32 GEMM and bf16 models on the bf16 GEMM, over float32, float16 and
+    bf16 pages."""
+    arch, extra = STEP_MODELS[case]
+    model = Model.load(tiny_model_factory(arch, extra_config=extra), dtype=dtype)
     prompts = random_prompts(9, [5, 17, 33, 48], model.config.vocab_size, seed=0)
     native = _generate(model, prompts, 10, mode=mode)
     assert count_steps["n"] > 0

@@ -129,11 +129,14 @@ def test_long_prompts_drop_shots_then_skip(tiny_model_dir, tmp_path, capsys):
     assert _cli(*common, "--cache-tokens", "512", "--output-dir", str(tmp_path / "a")) == 0
     df = _samples(tmp_path / "a")
     assert (df.num_fewshot_used < 5).all() and not df.skipped.any()
-    assert _cli(*common, "--cache-tokens", "48", "--output-dir", str(tmp_path / "b")) == 0
+    assert _cli(*common, "--cache-tokens", "48", "--output-dir", str(tmp_path / "b")) == 2   # all skipped
     df = _samples(tmp_path / "b")
     assert df.skipped.all() and df.skip_reason.str.contains("does not fit in 48 tokens").all()
-    assert "warning: 3 questions skipped because their prompt does not fit in the KV cache's 48 tokens" \
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning: 3 questions skipped because their prompt does not fit in the KV cache's 48 tokens" in err
+    assert "error: all 3 questions were skipped, so there is no score: prompt does not fit in 48 tokens" in err
+    overall = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert overall["accuracy"] is None and overall["macro_accuracy"] is None and overall["n"] == 0
 
 
 def test_batch_invariance_fp32(tiny_model_dir, tmp_path):

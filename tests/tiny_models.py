@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 WEIGHT_STD = 0.1  # linear weights and biases inside the layers
 LOGIT_STD = 3.0  # target std of the logits: embedding / lm_head std = LOGIT_STD / sqrt(hidden)
@@ -53,11 +53,15 @@ def make_tiny_model(
     sharded: bool = False,
     seed: int = 0,
     tokenizer_from: Optional[Path] = None,
+    head_dim: Optional[int] = None,
+    extra_config: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Build a random-weight `arch` model and save it as an HF directory at `path`.
 
     arch: "llama" (LlamaForCausalLM), "mistral" (MistralForCausalLM, no sliding window)
-    or "qwen2" (Qwen2ForCausalLM, with q/k/v biases). `rope_scaling` is the HF dict, e.g.
+    "qwen2" (Qwen2ForCausalLM, with q/k/v biases) or "qwen3" (Qwen3ForCausalLM, q/k norms).
+    `extra_config`: more config fields (attention_bias, mlp_bias, sliding_window, use_sliding_window,
+    max_window_layers, ...), applied last; every 1-D weight (norm gains, biases) is randomised. `rope_scaling` is the HF dict, e.g.
     {"rope_type": "llama3", "factor": 8.0, ...}; transformers 5 writes it into config.json
     as `rope_parameters` (together with `rope_theta`). `tokenizer_from` copies tokenizer
     files and generation_config.json from an HF directory (e.g. the SmolLM2 one).
@@ -80,6 +84,9 @@ def make_tiny_model(
         config_kwargs["rope_scaling"] = dict(rope_scaling)
     if arch == "mistral":
         config_kwargs["sliding_window"] = None
+    if head_dim is not None:
+        config_kwargs["head_dim"] = head_dim
+    config_kwargs.update(extra_config or {})
     config = config_cls(**config_kwargs)
 
     torch.manual_seed(seed)
@@ -102,6 +109,7 @@ def _arch_classes(arch: str) -> tuple[type, type]:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -114,6 +122,8 @@ def _spread_init(model: torch.nn.Module, vocab_std: float) -> None:
     for name, param in model.named_parameters():
         if param.ndim == 1 and name.endswith("norm.weight"):
             param.normal_(1.0, NORM_STD)
+        elif param.ndim == 1:  # biases: a dropped one shows
+            param.normal_(0.0, WEIGHT_STD)
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             param.normal_(0.0, vocab_std)
         else:  # linear weights, q/k/v biases

@@ -1,9 +1,15 @@
 """Model configuration parsed from a Hugging Face `config.json`.
 
-Supports the Llama family: LlamaForCausalLM (incl. llama3 rope scaling, tied
-embeddings), MistralForCausalLM and Qwen2ForCausalLM (qkv bias). Both the
-transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5 key
-(`rope_parameters`) are read.
+Supports the Llama family, each as transformers computes it: LlamaForCausalLM (llama3 rope
+scaling, tied embeddings, `attention_bias` on q, k, v and o, `mlp_bias`), MistralForCausalLM and
+Qwen2ForCausalLM (q/k/v bias) with their sliding windows, Qwen3ForCausalLM (per-head q/k RMSNorm
+before rope). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
+key (`rope_parameters`) are read.
+
+Anything that would change the model's maths and is not implemented (another architecture, a
+mixture of experts, latent attention, soft-capping, partial rotary, an unknown layer type ...)
+is refused here, before any weight is read, with one line naming it (ConfigError): never
+silently ignored.
 """
 from __future__ import annotations
 
@@ -12,7 +18,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# families refused with their reason (the name is matched as a prefix of the architecture)
+REFUSED_FAMILIES = {
+    "Mixtral": "a mixture-of-experts model", "Qwen2Moe": "a mixture-of-experts model",
+    "Qwen3Moe": "a mixture-of-experts model", "DeepseekV2": "a mixture-of-experts model with latent attention (MLA)",
+    "DeepseekV3": "a mixture-of-experts model with latent attention (MLA)", "OlmoeFor": "a mixture-of-experts model",
+    "Gemma3ForConditionalGeneration": "a multimodal checkpoint (vision tower and text model)",
+    "Llama4": "a mixture-of-experts multimodal model", "Qwen2VL": "a multimodal checkpoint",
+    "Qwen2_5_VL": "a multimodal checkpoint", "LlavaFor": "a multimodal checkpoint",
+}
+# config fields whose non-neutral values change the maths and are not implemented: field -> neutral values
+UNIMPLEMENTED_FIELDS = {
+    "num_local_experts": (None, 0, 1), "num_experts": (None, 0, 1), "n_routed_experts": (None, 0),
+    "kv_lora_rank": (None, 0), "q_lora_rank": (None, 0),
+    "attn_logit_softcapping": (None, 0, 0.0), "final_logit_softcapping": (None, 0, 0.0),
+    "partial_rotary_factor": (None, 1, 1.0), "attention_chunk_size": (None, 0),
+    "vision_config": (None,), "pretraining_tp": (None, 1),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -57,6 +83,21 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    o_bias: bool = False                   # o_proj has a bias (Llama attention_bias)
+    mlp_bias: bool = False                 # gate, up and down projections have biases (Llama mlp_bias)
+    qk_norm: bool = False                  # RMSNorm of each q and k head before rope (Qwen3)
+    # per layer: the sliding window W of its attention (a query at position t attends the keys at
+    # positions t - W < p <= t, as transformers' sliding_window_overlay), 0 for full attention;
+    # () means every layer is full
+    layer_windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        """The sliding window of layer `layer` (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -70,6 +111,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers
+                                   or any(not isinstance(w, int) or w < 0 for w in self.layer_windows)):
+            raise ConfigError(f"layer windows must be {self.num_layers} integers >= 0, got {self.layer_windows!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -77,8 +121,10 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        _refuse_unimplemented(raw, arch)
         heads = _req(raw, "num_attention_heads")
         hidden = _req(raw, "hidden_size")
+        attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=_req(raw, "vocab_size"),
@@ -89,12 +135,16 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or hidden // heads,
             intermediate_size=_req(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_seq_len=_max_seq_len(raw, arch),
+            max_seq_len=int(raw.get("max_position_embeddings", 2048)),
             rope=_rope(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             bos_token_id=_first_id(raw.get("bos_token_id")),
             eos_token_id=_first_id(raw.get("eos_token_id")),
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            layer_windows=_layer_windows(raw, arch, _req(raw, "num_hidden_layers")),
         )
 
     @classmethod
@@ -119,27 +169,57 @@ def _req(raw: dict[str, Any], key: str) -> Any:
 
 def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
-    if not archs and raw.get("model_type") in by_type:
-        return by_type[raw["model_type"]]
+    for arch in archs:
+        for prefix, what in REFUSED_FAMILIES.items():
+            if arch.startswith(prefix):
+                raise ConfigError(f"unsupported architecture {arch}: {what}, which evalrun does not run; "
+                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not archs and raw.get("model_type") in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[raw["model_type"]]
     found = ", ".join(archs) or repr(raw.get("model_type"))
     raise ConfigError(
         f"unsupported architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 
-def _max_seq_len(raw: dict[str, Any], arch: str) -> int:
-    """NOTE: sliding-window attention is not implemented; a model that uses it is
-    served only up to its window, where full attention is exact."""
-    limit = int(raw.get("max_position_embeddings", 2048))
+def _refuse_unimplemented(raw: dict[str, Any], arch: str) -> None:
+    """A config field set to a value that changes the maths in a way evalrun does not implement."""
+    for name, neutral in UNIMPLEMENTED_FIELDS.items():
+        value = raw.get(name)
+        if value not in neutral:
+            raise ConfigError(f"config.json sets {name}={value!r}, which changes the model's maths and is not "
+                              f"implemented for {arch}; evalrun refuses rather than compute something else")
+
+
+def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """Per layer sliding window (0: full attention), as transformers decides it for `arch`:
+    Mistral windows every layer when `sliding_window` is set (its model ignores `layer_types`);
+    Qwen2/Qwen3 window the layers `layer_types` names sliding (by default those from
+    `max_window_layers` on) when `use_sliding_window` is true; Llama has no window."""
     window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        window = None
+    if arch == "LlamaForCausalLM" or window is None:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"config.json sliding_window must be a positive integer, got {window!r}")
+    types = raw.get("layer_types")
+    if arch == "MistralForCausalLM":
+        types = ["sliding_attention"] * num_layers
+    elif types is None:
+        first = int(raw.get("max_window_layers", num_layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ConfigError(f"config.json layer_types must list {num_layers} layer types, got {types!r}")
+    unknown = sorted({str(t) for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise ConfigError(f"config.json layer_types has {', '.join(map(repr, unknown))}, which evalrun does not "
+                          f"implement (known: {', '.join(LAYER_TYPES)})")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 def _rope(raw: dict[str, Any]) -> RopeConfig:

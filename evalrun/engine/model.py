@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama with its biases, Mistral, Qwen2, Qwen3; sliding windows) over a paged KV cache.
 
 One forward runs a packed batch: the new tokens of many sequences (prefill
 chunks and single decode tokens) as one [T, hidden] matrix per layer, no padding.
@@ -36,7 +36,8 @@ def plan_key(config: ModelConfig, fmt: KVFormat, page_size: int, device: "str | 
              dtype: torch.dtype, deterministic: bool = False) -> PlanKey:
     """What a model's kernel plan over one cache is resolved for (Model.kernel_plan, the manifest)."""
     return PlanKey(torch.device(device).type, dtype, fmt, page_size, config.num_heads, config.num_kv_heads,
-                   config.head_dim, config.intermediate_size, deterministic)
+                   config.head_dim, config.intermediate_size, deterministic, sliding=config.windowed,
+                   qk_norm=config.qk_norm)
 
 
 def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False,
@@ -74,11 +75,14 @@ class ForwardBatch:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor       # [H]
-    wqkv: Linear                   # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D] (Qwen2)
-    wo: Linear                     # [H, Hq * D]
+    wqkv: Linear                   # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D] (Qwen2, Llama attention_bias)
+    wo: Linear                     # [H, Hq * D], bias [H] (Llama attention_bias)
     post_norm: torch.Tensor        # [H]
-    w_gate_up: Linear              # [2 I, H]
-    w_down: Linear                 # [H, I]
+    w_gate_up: Linear              # [2 I, H], bias [2 I] (Llama mlp_bias)
+    w_down: Linear                 # [H, I], bias [H] (Llama mlp_bias)
+    q_norm: Optional[torch.Tensor] = None    # [D] RMSNorm of each q head before rope (Qwen3)
+    k_norm: Optional[torch.Tensor] = None    # [D] ... of each k head
+    sliding_window: int = 0        # the layer's sliding window (0: full attention)
 
 
 class Model:
@@ -205,8 +209,8 @@ class Model:
         if step is not None and step.pages_match([cache.layer(i) for i in range(len(self.layers))]):
             return step
         cfg = self.config
-        parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i))
-                 for i, ly in enumerate(self.layers)]
+        parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i),
+                            ly.sliding_window) for i, ly in enumerate(self.layers)]
         dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         if not DecodeStep.supports(parts, self.dtype, self.device, *dims):
             raise ValueError("the kernel plan runs the native decode step, but this model's weights or this "
@@ -224,13 +228,26 @@ class Model:
         plan = cache.kernels
         h = plan.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv)
+        if layer.q_norm is not None:
+            qkv = self._qk_norm(qkv, layer, plan)
         kv = cache.layer(i)
         q, k, v = plan.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv, batch.slot_mapping)
-        o = plan.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v)  # [T, Hq, D]
+        o = plan.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v, layer.sliding_window)  # [T, Hq, D]
         o = o.reshape(t, cfg.num_heads * cfg.head_dim)
         if keep is not None:
             o, x = o.index_select(0, keep), x.index_select(0, keep)
         return linear(o, layer.wo, residual=x)
+
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, plan: KernelPlan) -> torch.Tensor:
+        """RMSNorm of every q head and every k head of qkv [T, (Hq + 2 Hkv) D] over its D values
+        (Qwen3: before rope); v is left as it is."""
+        cfg = self.config
+        t, d = qkv.shape[0], cfg.head_dim
+        nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
+        q = plan.rms_norm(qkv[:, :nq].reshape(t * cfg.num_heads, d), layer.q_norm, cfg.rms_norm_eps)
+        k = plan.rms_norm(qkv[:, nq: nq + nk].reshape(t * cfg.num_kv_heads, d), layer.k_norm, cfg.rms_norm_eps)
+        return torch.cat([q.view(t, nq), k.view(t, nk), qkv[:, nq + nk:]], dim=1)
 
 
 def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.device,
@@ -240,27 +257,35 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
     def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Linear:
         return _make_linear(weight, bias, invariant=deterministic)
 
-    q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+    q_rows, kv_rows, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+
+    def biases(prefix: str, names: tuple[str, ...], sizes: tuple[int, ...], present: bool) -> Optional[torch.Tensor]:
+        """The named projections' biases, concatenated (None where the config has none)."""
+        if not present:
+            return None
+        return torch.cat([r.get(f"{prefix}{n}.bias", (size,)) for n, size in zip(names, sizes)])
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         wqkv = torch.cat([r.get(p + "self_attn.q_proj.weight", (q_rows, h)),
                           r.get(p + "self_attn.k_proj.weight", (kv_rows, h)),
                           r.get(p + "self_attn.v_proj.weight", (kv_rows, h))])
-        bqkv = None
-        if cfg.qkv_bias:
-            bqkv = torch.cat([r.get(p + "self_attn.q_proj.bias", (q_rows,)),
-                              r.get(p + "self_attn.k_proj.bias", (kv_rows,)),
-                              r.get(p + "self_attn.v_proj.bias", (kv_rows,))])
-        gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-                             r.get(p + "mlp.up_proj.weight", (cfg.intermediate_size, h))])
+        bqkv = biases(p + "self_attn.", ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), cfg.qkv_bias)
+        gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (inter, h)),
+                             r.get(p + "mlp.up_proj.weight", (inter, h))])
+        qk_norms = ((r.get(p + "self_attn.q_norm.weight", (d,)), r.get(p + "self_attn.k_norm.weight", (d,)))
+                    if cfg.qk_norm else (None, None))
         layers.append(LayerWeights(
             input_norm=r.get(p + "input_layernorm.weight", (h,)),
             wqkv=make_linear(wqkv, bqkv),
-            wo=make_linear(r.get(p + "self_attn.o_proj.weight", (h, q_rows))),
+            wo=make_linear(r.get(p + "self_attn.o_proj.weight", (h, q_rows)),
+                           biases(p + "self_attn.", ("o_proj",), (h,), cfg.o_bias)),
             post_norm=r.get(p + "post_attention_layernorm.weight", (h,)),
-            w_gate_up=make_linear(gate_up),
-            w_down=make_linear(r.get(p + "mlp.down_proj.weight", (h, cfg.intermediate_size))),
+            w_gate_up=make_linear(gate_up, biases(p + "mlp.", ("gate_proj", "up_proj"), (inter, inter), cfg.mlp_bias)),
+            w_down=make_linear(r.get(p + "mlp.down_proj.weight", (h, inter)),
+                               biases(p + "mlp.", ("down_proj",), (h,), cfg.mlp_bias)),
+            q_norm=qk_norms[0], k_norm=qk_norms[1], sliding_window=cfg.window(i),
         ))
     embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"

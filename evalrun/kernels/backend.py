@@ -9,7 +9,10 @@ the plan's ops with no check and no fallback; `KernelPlan.names` is what the run
 
     kv_write(k, v, layer, slot_mapping)                      new tokens into their slots
     copy_page_prefix(layers, src, dst, n)                    first n slots of a page
-    attention(q, layer, meta, scale, k, v) -> [T, Hq, D]     prefill and decode of a packed batch
+    attention(q, layer, meta, scale, k, v, sliding_window=0) -> [T, Hq, D]
+                                                             prefill and decode of a packed batch; a
+                                                             layer's sliding window (0: none) picks
+                                                             the plan's kernels for windowed layers
     rope_write_kv(qkv, cos, sin, hq, hkv, layer, slots)      -> q, k, v (k, v None where unused)
     rms_norm(x, w, eps) / head_norm(h, w, eps)               layer rows (model dtype) / the head's float32 rows
     gate_up_silu(h, gate_up) -> [T, I]                       silu(gate) * up of the fused projection
@@ -61,6 +64,8 @@ class PlanKey:
     # the cache's tensors are as LayerKV.allocate lays them out (a PagedCache's are); False: a layer
     # made by hand that does not fit (for_layer), which every backend's plan sends to the reference
     standard_layout: bool = True
+    sliding: bool = False        # some layer has a sliding window (the plan names its kernels)
+    qk_norm: bool = False        # q and k heads are normed before rope (the native decode step has no such stage)
 
     @classmethod
     def for_layer(cls, q: torch.Tensor, layer: LayerKV, deterministic: bool = False) -> "PlanKey":
@@ -100,12 +105,35 @@ class KernelPlan:
 
 
 # --- op builders: each returns the op's callable, made once per plan ---------------------------
-def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate,
-               prefill: Optional[Callable] = None) -> Callable[..., torch.Tensor]:
+def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate, prefill: Optional[Callable] = None,
+               sliding_decode: Optional[Callable] = None) -> Callable[..., torch.Tensor]:
+    """Layers without a window: decode / prefill (None: the references); with one: sliding_decode
+    (None: the reference) and SDPA with the window's mask for the prefill sequences."""
     def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                  sliding_window: int = 0) -> torch.Tensor:
+        if sliding_window:
+            return attend(q, layer, meta, scale, sliding_decode, rotation, k, v, None, sliding_window)
         return attend(q, layer, meta, scale, decode, rotation, k, v, prefill)
     return attention
+
+
+def _windowed_by(full: Callable[..., torch.Tensor], sliding: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """An attention op whose kernel has no sliding window (Triton, flash-attn): windowed layers go
+    to `sliding` (the plan names it)."""
+    def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                  sliding_window: int = 0) -> torch.Tensor:
+        if sliding_window:
+            return sliding(q, layer, meta, scale, k, v, sliding_window)
+        return full(q, layer, meta, scale, k, v)
+    return attention
+
+
+def _sliding_names(key: "PlanKey", names: dict[str, str], decode: str, prefill: str) -> None:
+    """What runs the windowed layers' attention, where the model has any."""
+    if key.sliding:
+        names["sliding_decode_attention"], names["sliding_prefill_attention"] = decode, prefill
 
 
 def _rope_write(write: WriteFn) -> Callable[..., tuple[Any, ...]]:
@@ -129,8 +157,9 @@ def _gate_up_silu(silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> Callable[
 
 def _gate_up_silu_gemm(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
     """The SiLU in the native GEMM's epilogue (kernels/cpu/gemm.py gemm_silu: the same bits as the
-    GEMM then silu_mul, without the [T, 2I] product); one or two rows take those two calls."""
-    out = gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
+    GEMM then silu_mul, without the [T, 2I] product); one or two rows, or a biased projection
+    (the epilogue adds none), take those two calls."""
+    out = None if gate_up.bias is not None else gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
     return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
 
 
@@ -154,12 +183,13 @@ class TorchKernels:
         return self._resolve(key)
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
+        names = {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
+                 "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
+                 "decode_step": "off", "cuda_graphs": "off", "stream": str(key.dtype).removeprefix("torch.")}
+        _sliding_names(key, names, "torch", "torch-sdpa")
         return KernelPlan(self.name, write_kv_torch, copy_page_prefix_torch, _attention(), _rope_write(write_kv_torch),
                           rms_norm_reference, rms_norm_reference, _gate_up_silu(silu_mul_reference), False, False,
-                          {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
-                           "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
-                           "decode_step": "off", "cuda_graphs": "off",
-                           "stream": str(key.dtype).removeprefix("torch.")})
+                          names)
 
     # one op on one layer, through the plan of its key (tests and benchmarks; the engine calls its plan)
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
@@ -167,8 +197,9 @@ class TorchKernels:
                           layer.head_dim)).kv_write(k, v, layer, slot_mapping)
 
     def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.plan(PlanKey.for_layer(q, layer)).attention(q, layer, meta, scale, k, v)
+                  k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                  sliding_window: int = 0) -> torch.Tensor:
+        return self.plan(PlanKey.for_layer(q, layer)).attention(q, layer, meta, scale, k, v, sliding_window)
 
     def describe(self, fmt: KVFormat, dtype: torch.dtype = torch.float32, device: Optional[str] = None,
                  page_size: int = 256) -> dict[str, str]:
@@ -196,6 +227,7 @@ class NativeCpuKernels(TorchKernels):
         rotation = native_quant.rotate_native if native_quant.available() else rotate
         names["decode_attention"] = "native-c" if decode else "torch"
         names["prefill_attention"] = "native-c" if prefill else "torch-sdpa"
+        _sliding_names(key, names, names["decode_attention"], "torch-sdpa")
         write = write_kv_torch
         if fmt.quantized and native_quant.quantize_available():
             write, names["kv_write"] = native_quant.write_kv_native, "native-c"
@@ -216,10 +248,10 @@ class NativeCpuKernels(TorchKernels):
         names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
         names["head_norm"] = "native-c" if fused_ok else "torch"
         step = (fused_ok and f32 and key.linear in ("native-gemm", "native-bf16") and float_pages
-                and decode_step.available())
+                and not key.qk_norm and decode_step.available())
         names["decode_step"] = "native-c" if step else "off"
         names["stream"] = "float32" if bf16_gemm else names["stream"]
-        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill), rope,
+        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill, decode), rope,
                           norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None)
 
 
@@ -243,13 +275,15 @@ class TritonKernels(TorchKernels):
         attention = ref.attention
         if key.dtype in triton_attention._FLOATS and _heads_fit(key):
             if fmt.window:           # the window's prefill stays with the reference (SDPA)
-                attention = _attention(triton_attention.decode_triton)
+                attention = _windowed_by(_attention(triton_attention.decode_triton), ref.attention)
                 names["decode_attention"], names["prefill_attention"] = "triton", "torch-sdpa"
             else:
-                attention = _triton_attention
+                attention = _windowed_by(_triton_attention, ref.attention)
                 names["decode_attention"] = names["prefill_attention"] = "triton"
+        _sliding_names(key, names, "torch", "torch-sdpa")    # the Triton kernels have no sliding window yet
         names["norm_act"], names["head_norm"] = "triton rms_norm, torch silu", "triton"
-        graphs = write is not write_kv_torch and names["decode_attention"] == "triton" and not fmt.window
+        graphs = (write is not write_kv_torch and names["decode_attention"] == "triton" and not fmt.window
+                  and not key.sliding)        # the reference's windowed decode reads the lengths on the host
         names["cuda_graphs"] = "on" if graphs else "off"
         return KernelPlan(self.name, write, copy_page_prefix_torch, attention, _rope_write(write),
                           triton_linear.rms_norm_triton, triton_linear.rms_norm_triton, ref.gate_up_silu, False,
@@ -281,7 +315,7 @@ class FlashAttnKernels(TritonKernels):
         names = {**plan.names, "cuda_graphs": "off"}      # flash-attn reads the lengths on the host
         attention = plan.attention
         if self.usable(key):
-            attention = flash_attn.attention_op(self._flash)
+            attention = _windowed_by(flash_attn.attention_op(self._flash), plan.attention)
             names["decode_attention"] = names["prefill_attention"] = "flash-attn"
         return KernelPlan(**{**plan.__dict__, "backend": self.name, "attention": attention, "cuda_graphs": False,
                              "names": names})

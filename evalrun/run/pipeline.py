@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from concurrent.futures import Future
@@ -133,7 +134,20 @@ def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
             per, overall = run.task.summarize(rows)
             write_summary(run.out_dir, clean(per), clean(overall))
     report(rows, per, overall, None, run.out_dir)
-    return 0
+    return all_skipped_status(run, rows)
+
+
+def all_skipped_status(run: TaskRun, rows: list[dict[str, Any]]) -> int:
+    """2, with the cause on the console, where every row of the selection was skipped (the summary
+    then shows no accuracy: there is none over zero questions); else 0."""
+    if not rows or not all(r.get("skipped") for r in rows):
+        return 0
+    reasons = Counter(str(r.get("skip_reason") or "no reason recorded") for r in rows)
+    reason, n = reasons.most_common(1)[0]
+    more = f" (and {len(reasons) - 1} other causes)" if len(reasons) > 1 else ""
+    print(f"error: all {len(rows)} {run.unit} were skipped, so there is no score: {reason}"
+          f"{'' if n == len(rows) else f' ({n} of them)'}{more}", file=sys.stderr)
+    return 2
 
 
 def open_store(run: TaskRun) -> RunStore:
@@ -177,7 +191,7 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
                           sum(p.skip_reason is not None for p in plans), fits if fits < model.max_seq_len else None)
         rows, per, overall = finish_session(run, todo, store, session)
     report(rows, per, overall, session.throughput, run.out_dir)
-    return 0
+    return all_skipped_status(run, rows)
 
 
 def score_without_model(run: TaskRun, todo: Pending, report: Report) -> int:

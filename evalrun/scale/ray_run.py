@@ -29,7 +29,7 @@ from evalrun.errors import BadInput, RunFailed
 from evalrun.results import RunStore, throughput, write_prompts
 from evalrun.run.config import RayOptions, RayRequest
 from evalrun.run.engine_config import EngineConfig
-from evalrun.run.pipeline import PreparedRun, Session, finish_session, open_store, say_resuming
+from evalrun.run.pipeline import PreparedRun, Session, all_skipped_status, finish_session, open_store, say_resuming
 from evalrun.scale.dispatch import Dispatcher, Limits
 from evalrun.scale.ray_actor import ReplicaHooks, ReplicaSpec
 from evalrun.scale.ray_backend import RayBackend, ray_instance, require_ray
@@ -175,7 +175,7 @@ def ray_generate(p: PreparedRun) -> int:
     p.report(rows, per, overall, session.throughput, run.out_dir)
     if report.failed:
         raise RunFailed(_failure_message(report.failed))
-    return 0
+    return all_skipped_status(run, rows)
 
 
 def _cache_fits(actors: list[dict[str, Any]]) -> Optional[int]:

@@ -152,8 +152,9 @@ def summarize_subjects(rows: list[dict[str, Any]], subjects: Sequence[str]) -> t
     overall["groups"] = {g: _pooled([s for s in per_subject if s["group"] == g]) for g in GROUPS}
     overall["skipped"] = len(rows) - len(scored)
     overall[NONFINITE_COLUMN] = sum(bool(r.get(NONFINITE_COLUMN)) for r in scored)   # counted as wrong
-    overall["macro_accuracy"] = (sum(s["accuracy"] for s in per_subject if s["n"]) /
-                                 max(1, sum(1 for s in per_subject if s["n"])))
+    answered = [s["accuracy"] for s in per_subject if s["n"]]
+    # no accuracy over zero questions: NaN (null in summary.json), never 0.0
+    overall["macro_accuracy"] = sum(answered) / len(answered) if answered else float("nan")
     return per_subject, overall
 
 

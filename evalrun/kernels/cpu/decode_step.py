@@ -28,7 +28,8 @@ from ..ref.linear import Linear
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages")]
+                ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages",
+                 "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int)]
 
 
 class _Threads(ctypes.Structure):
@@ -91,6 +92,7 @@ class LayerParts:
     w_gate_up: Linear
     w_down: Linear
     kv: LayerKV
+    sliding_window: int = 0            # the layer's sliding window (0: full attention)
 
 
 class DecodeStep:
@@ -103,22 +105,24 @@ class DecodeStep:
         if lib is None:
             raise RuntimeError("the native decode step is not available (see kernels.native)")
         self._lib, self._parts = lib, list(parts)
-        # float32 norm weights (a bf16 model's, widened: exact) and qkv bias
+        # float32 norm weights (a bf16 model's, widened: exact) and biases (qkv, o, gate/up, down)
         norms = [(p.input_norm.float().contiguous(), p.post_norm.float().contiguous()) for p in self._parts]
-        biases = [None if p.wqkv.bias is None else p.wqkv.bias.float().contiguous() for p in self._parts]
+        biases = [[None if lin.bias is None else lin.bias.float().contiguous()
+                   for lin in (p.wqkv, p.wo, p.w_gate_up, p.w_down)] for p in self._parts]
         # the tensors themselves (not only their containers) stay referenced while the C code holds
         # their addresses; pages_match compares the pages by address and shape
         self._keep = [t for p, n, b in zip(self._parts, norms, biases)
-                      for t in (*n, b, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
+                      for t in (*n, *b, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
                                 p.kv.k, p.kv.v) if t is not None]
         self._pages = [(p.kv.k.data_ptr(), p.kv.v.data_ptr(), tuple(p.kv.k.shape)) for p in self._parts]
         page_size = self._parts[0].kv.k.shape[1]
         self._layers = (_Layer * len(self._parts))()
-        for i, (p, (n_in, n_post), b) in enumerate(zip(self._parts, norms, biases)):
-            self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(),
-                                     None if b is None else b.data_ptr(),
+        ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
+        for i, (p, (n_in, n_post), (bqkv, bo, bgu, bd)) in enumerate(zip(self._parts, norms, biases)):
+            self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(), ptr(bqkv),
                                      p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
-                                     p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr())
+                                     p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr(),
+                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window)
         first = self._parts[0]
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
                              eps, head_dim ** -0.5, first.kv.k.shape[0] * page_size, self._layers,
@@ -128,7 +132,7 @@ class DecodeStep:
     def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device, hidden: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int) -> bool:
         """Float32 CPU weights on the native GEMM or bfloat16 ones on the bf16 GEMM, with the model's
-        shapes (biases only on QKV), float pages (float32, bfloat16, float16) of one shape and dtype
+        shapes (biases of their output sizes), float pages (float32, bfloat16, float16) of one shape and dtype
         [P + 1, S, Hkv, D] without a window, contiguous; and the library built here."""
         kernel = WEIGHT_DTYPES.get(dtype)
         if not enabled() or kernel is None or device.type != "cpu" or not parts or _lib() is None:
@@ -141,9 +145,9 @@ class DecodeStep:
             if any(lin.panels is None or lin.kernel_name != kernel or tuple(lin.weight.shape) != shape
                    for lin, shape in zip(lins, shapes)):
                 return False
-            if any(lin.bias is not None for lin in lins[1:]):
+            if any(lin.bias is not None and tuple(lin.bias.shape) != (shape[0],) for lin, shape in zip(lins, shapes)):
                 return False
-            if p.wqkv.bias is not None and p.wqkv.bias.shape != (qkv,):
+            if not isinstance(p.sliding_window, int) or p.sliding_window < 0:
                 return False
             if not all(t.dtype == dtype and t.shape == (hidden,) for t in (p.input_norm, p.post_norm)):
                 return False

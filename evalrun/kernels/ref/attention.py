@@ -16,6 +16,10 @@ ones through the codes. The exact values come from this forward's new K/V and, f
 part of the block computed in earlier forwards, from the job's block of the window store,
 which `attend` keeps: a decode token is stored before the kernel reads it, a prefill
 sequence's last partial block after its attention.
+
+A layer with a sliding window of W (a model's, unrelated to the cache's recent-token window)
+lets the query at position t attend the keys at positions t - W < p <= t only (transformers'
+sliding_window_overlay); every path here takes it as `sliding_window` (0: full attention).
 """
 from __future__ import annotations
 
@@ -33,12 +37,14 @@ from .kv_quant import rotate
 def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
            decode: Optional[DecodeFn] = None, rotation: RotateFn = rotate,
            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-           prefill: Optional[PrefillFn] = None) -> torch.Tensor:
+           prefill: Optional[PrefillFn] = None, sliding_window: int = 0) -> torch.Tensor:
     """Paged attention of every sequence of the batch, in q's dtype [T, Hq, D]: the decode
     group through `decode` (default: the torch reference), prefill sequences through `prefill`
     (formats without a window; default: SDPA on each one's gathered context). Rotating formats:
     q rotated in, the output rotated out (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
-    K/V (as written to the cache), which a windowed format needs."""
+    K/V (as written to the cache), which a windowed format needs. sliding_window: the layer's
+    (0: none); `decode` then takes it as a fifth argument and `prefill` must be None (SDPA with
+    the window's mask runs the prefill sequences)."""
     fmt = layer.fmt
     if fmt.rotate:
         q = rotation(q, fmt.group_size).to(q.dtype)
@@ -51,7 +57,11 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
         store_window(layer, fresh, *meta.window_store_decode)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = (decode or decode_torch)(q[: meta.num_decode], layer, meta, scale)
+        dec = decode or decode_torch
+        qd = q[: meta.num_decode]
+        out[: meta.num_decode] = dec(qd, layer, meta, scale, sliding_window) if sliding_window else dec(qd, layer, meta, scale)
+    if sliding_window and prefill is not None:
+        raise ValueError("a prefill kernel with a sliding window: the plan sends windowed layers' prefill to SDPA")
     native_prefill = prefill is not None and fresh is None
     if native_prefill and meta.prefill:
         rows = out[meta.prefill[0].q_start:]
@@ -60,17 +70,35 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
             rows.copy_(done)
     for seq in () if native_prefill else meta.prefill:
         if fresh is not None:
-            _prefill_windowed(q, fresh, layer, seq, scale, out)
+            _prefill_windowed(q, fresh, layer, seq, scale, out, sliding_window)
             continue
         qs = q[seq.q_start: seq.q_start + seq.q_len].transpose(0, 1)[None]      # [1, Hq, q, D]
         k, v = gather_kv(layer, seq.slots, q.dtype)                              # [L, Hkv, D]
+        mask = sliding_mask(meta, seq, sliding_window) if sliding_window else seq.mask
         o = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=seq.mask, is_causal=seq.mask is None,
+                                           attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=True)
         out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     if fresh is not None:                     # after every read: a sequence's last partial block
         store_window(layer, fresh, *meta.window_store_prefill)
     return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
+
+
+def key_in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """[q, k] bool: key position k_pos within the sliding window of query position q_pos (causal too)."""
+    return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+
+
+def sliding_mask(meta: AttentionMetadata, seq: PrefillSeq, sliding_window: int) -> torch.Tensor:
+    """The [q_len, L] mask of a prefill sequence under a sliding window, made once per forward
+    (every windowed layer of the batch reads it)."""
+    key = ("sliding_mask", sliding_window, seq.q_start)
+    if key not in meta.kernel_args:
+        length = seq.slots.shape[0]
+        device = seq.slots.device
+        q_pos = torch.arange(length - seq.q_len, length, device=device)
+        meta.kernel_args[key] = key_in_window(q_pos, torch.arange(length, device=device), sliding_window)
+    return meta.kernel_args[key]
 
 
 # --- recent-token window --------------------------------------------------------------
@@ -93,7 +121,7 @@ def store_window(layer: LayerKV, fresh: tuple[torch.Tensor, torch.Tensor], rows:
 
 
 def _prefill_windowed(q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], layer: LayerKV,
-                      seq: PrefillSeq, scale: float, out: torch.Tensor) -> None:
+                      seq: PrefillSeq, scale: float, out: torch.Tensor, sliding_window: int = 0) -> None:
     """One prefill sequence in one SDPA call: the codes before its last block, then the exact
     values from its first query's block on (from the store, computed earlier, and from this
     forward); seq.window_mask picks for each query the codes before its block and the exact
@@ -105,8 +133,13 @@ def _prefill_windowed(q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor],
     codes = gather_kv(layer, seq.slots[: (length - 1) // w * w], dt)
     kv = [torch.cat([c, store[seq.window_slot, : start % w].to(dt), new[span].to(dt)])
           for c, store, new in zip(codes, layer.window_tensors(), fresh)]               # [keys, Hkv, D]
+    mask = seq.window_mask
+    if sliding_window:                   # the keys' positions: the codes', then the block's on
+        dev = mask.device
+        k_pos = torch.cat([torch.arange((length - 1) // w * w, device=dev), torch.arange(start // w * w, length, device=dev)])
+        mask = mask & key_in_window(torch.arange(start, length, device=dev), k_pos, sliding_window)
     o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
-                                       kv[1].transpose(0, 1)[None], attn_mask=seq.window_mask,
+                                       kv[1].transpose(0, 1)[None], attn_mask=mask,
                                        scale=scale, enable_gqa=True)
     out[span] = o[0].transpose(0, 1)
 
@@ -133,7 +166,8 @@ def paged_attention_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetada
     return attend(q, layer, meta, scale)
 
 
-def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                 sliding_window: int = 0) -> torch.Tensor:
     """One query per sequence (already in the attention domain), in float32. One pair of
     batched matmuls per KV head reads the gathered [Bd, L, Hkv, D] keys in place (row
     stride Hkv * D), so no permuted copy of the context is made; SDPA's CPU kernel is
@@ -150,6 +184,9 @@ def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale
         k, v = window_overlay(layer, meta, k, v, meta.seq_lens_k[:bd])
     qs = q.view(bd, hkv, group, d).float()                                     # [Bd, Hkv, G, D]
     masked = ~decode_mask[:, 0]                                            # [Bd, 1, L]
+    if sliding_window:                   # positions before the last `sliding_window`
+        first = meta.seq_lens_k[:bd].long() - sliding_window
+        masked = masked | (torch.arange(lmax, device=q.device)[None, None, :] < first[:, None, None])
     out = torch.empty(bd, hkv, group, d, dtype=torch.float32, device=q.device)
     for h in range(hkv):
         scores = torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [Bd, G, L]

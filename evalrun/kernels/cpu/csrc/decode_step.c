@@ -21,8 +21,10 @@
  * evalrun/kernels/cpu/decode_step.py builds the layer table and decides when this path applies.
  *
  *   DecodeLayer   per layer: norm weights [H] float32, packed weights (gemm_pack_f32, or
- *                 gemm_bf16_pack where DecodeModel.weight_kind is 1), qkv bias [Q] or NULL, the
- *                 layer's K and V pages [P + 1, S, Hkv, D] of DecodeModel.page_kind (kv_load.h)
+ *                 gemm_bf16_pack where DecodeModel.weight_kind is 1), biases (float32, each NULL
+ *                 where the layer has none: qkv [Q], o [H], gate/up [2I], down [H]), the layer's
+ *                 K and V pages [P + 1, S, Hkv, D] of DecodeModel.page_kind (kv_load.h) and its
+ *                 sliding window (0: full attention; paged_decode.c)
  *   x             [T, H] in/out
  *   cos, sin      [T, D] at each token's position
  *   slots         [T] int64 flat cache slot of each new token (page * S + offset)
@@ -45,6 +47,8 @@ typedef struct {
     const float *bqkv;                                       /* may be NULL */
     const void *wo, *w_gate_up, *w_down;                     /* packed panels */
     void *k_pages, *v_pages;
+    const float *bo, *b_gate_up, *b_down;                    /* may be NULL */
+    int sliding;
 } DecodeLayer;
 
 /* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
@@ -112,7 +116,7 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     const int nthreads = th->gemm, norm_threads = th->norm, act_threads = th->act, attn_threads = th->attn;
     float *h = work, *qkv = h + (int64_t)T * H, *q = qkv + (int64_t)T * Q, *o = q + (int64_t)T * Hq * D;
     float *gu = o + (int64_t)T * Hq * D, *act = gu + (int64_t)T * 2 * I, *scratch = act + (int64_t)T * I;
-    const int prof = profile_on, fuse_silu = m->weight_kind == 0 && gemm_silu_supported(T, I);
+    const int prof = profile_on, fuse_silu_ok = m->weight_kind == 0 && gemm_silu_supported(T, I);
     const int kind = m->page_kind;
     double t0 = prof ? now_s() : 0.0;
 #define STAGE(i, call)                                                                            \
@@ -130,16 +134,16 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
                                  q))
         STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,
                               seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
-                              0, 0))
-        STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, 0, x, x, nthreads))
+                              0, 0, ly->sliding))
+        STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, x, x, nthreads))
         STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
-        if (fuse_silu) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
+        if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
             STAGE(5, gemm_silu_f32(h, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
         } else {
-            STAGE(5, step_gemm(m, h, T, H, ly->w_gate_up, 2 * I, 0, 0, gu, nthreads))
+            STAGE(5, step_gemm(m, h, T, H, ly->w_gate_up, 2 * I, ly->b_gate_up, 0, gu, nthreads))
             STAGE(6, silu_mul_f32(gu, act, T, I, act_threads))
         }
-        STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, 0, x, x, nthreads))
+        STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, ly->b_down, x, x, nthreads))
     }
 #undef STAGE
     return 0;

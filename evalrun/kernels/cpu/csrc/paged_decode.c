@@ -13,6 +13,9 @@
  *   page_table  [B, max_pages]      int32
  *   seq_lens    [B]                 int32 context length (the new token included)
  *   out         [B, Hq, D]          float32
+ *   sliding     a sliding window (0: none): each query, at position L - 1, attends the keys at
+ *               positions p > L - 1 - sliding only, i.e. the last `sliding` positions (transformers'
+ *               sliding_window_overlay); the keys before are never read
  *   wk, wv      [J, WW, Hkv, D]     optional recent-token window store (kinds 0-2; NULL: none):
  *   win_slot    [B]                 int32 block of the store of each sequence, and
  *   win_start   [B]                 int32 first position read from it (row pos - win_start);
@@ -61,9 +64,13 @@ typedef struct {
     const void *wk, *wv;
     int w_kind, WW;
     const int32_t *win_slot, *win_start;
+    int sliding;                   /* sliding window, 0: none */
     atomic_int *next_task;         /* shared: tasks are claimed one by one, so a thread on a
                                       busy core does not hold the others up */
 } Args;
+
+/* The first position a sequence of length L reads under a sliding window of `sliding` (0: none). */
+static inline int first_position(int L, int sliding) { return sliding > 0 && L > sliding ? L - sliding : 0; }
 
 /* A sequence's window: positions >= start are row base + pos - start of `store` (kind). */
 typedef struct {
@@ -341,6 +348,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         return;
     }
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
+    const int P0 = first_position(L, a->sliding), n_keys = L - P0;   /* scores[p - P0] */
     const float *rows[ROWS_MAX];
     Window wk = {a->wk, a->w_kind, a->wk ? a->win_start[b] : L, a->wk ? (int64_t)a->win_slot[b] * a->WW : 0};
     Window wv = wk;
@@ -348,7 +356,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     /* Positions outer, KV heads inner: a block of slots is read whole, in memory order (a slot
      * holds every head), instead of one head's slice per pass over the context. */
     int64_t slot[ROWS_MAX], ahead[ROWS_MAX];
-    for (int p0 = 0; p0 < L; p0 += BLOCK) {
+    for (int p0 = P0; p0 < L; p0 += BLOCK) {
         const int n = L - p0 < BLOCK ? L - p0 : BLOCK, in_cache = block_slots(pages, S, p0, n, &wk, slot);
         if (a->k_kind == KIND_F32 && p0 + PFD < L) {
             const int m = L - p0 - PFD < BLOCK ? L - p0 - PFD : BLOCK;
@@ -356,16 +364,16 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         }
         for (int h = 0; h < Hkv; h++) {
             load_rows(a->k, a->k_scale, a->k_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wk);
-            dots_group(q + (int64_t)h * Gq * D, Gq, rows, n, D, scores + h * Gq * lmax + p0, lmax);
+            dots_group(q + (int64_t)h * Gq * D, Gq, rows, n, D, scores + h * Gq * lmax + p0 - P0, lmax);
         }
     }
     for (int hq = 0; hq < Hq; hq++) {
-        inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, L, a->scale);
+        inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, n_keys, a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
     if (a->v_kind == KIND_F32)
-        prefetch_rows(a->v, slot, block_slots(pages, S, 0, L < VBLOCK ? L : VBLOCK, &wv, slot), W);
-    for (int p0 = 0; p0 < L; p0 += VBLOCK) {
+        prefetch_rows(a->v, slot, block_slots(pages, S, P0, n_keys < VBLOCK ? n_keys : VBLOCK, &wv, slot), W);
+    for (int p0 = P0; p0 < L; p0 += VBLOCK) {
         const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK, in_cache = block_slots(pages, S, p0, n, &wv, slot);
         int ahead_n = 0;                            /* slots of the next block held in `ahead` */
         if (a->v_kind == KIND_F32 && p0 + VBLOCK < L) {
@@ -377,7 +385,7 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
             if (ahead_n > h * share)                /* the next block, a share before each head's pass */
                 prefetch_rows(a->v, ahead + h * share, ahead_n - h * share < share ? ahead_n - h * share : share, W);
             load_rows(a->v, a->v_scale, a->v_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wv);
-            axpys_group(acc + (int64_t)h * Gq * D, Gq, scores + h * Gq * lmax + p0, lmax, rows, n, D);
+            axpys_group(acc + (int64_t)h * Gq * D, Gq, scores + h * Gq * lmax + p0 - P0, lmax, rows, n, D);
         }
     }
     for (int hq = 0; hq < Hq; hq++)
@@ -421,8 +429,8 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache,
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,
                  int B, int Hq, int Hkv, int D, int S, float scale, float *scratch, int lmax,
                  int nthreads, const void *wk, const void *wv, int w_kind, int WW,
-                 const int32_t *win_slot, const int32_t *win_start) {
-    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1) return 1;
+                 const int32_t *win_slot, const int32_t *win_start, int sliding) {
+    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1 || sliding < 0) return 1;
     if (wk && (!wv || !win_slot || !win_start || WW < 1 || w_kind < KIND_F32 || w_kind > KIND_F16)) return 1;
     for (int i = 0; i < 2; i++) {
         const int kind = i ? v_kind : k_kind;
@@ -435,7 +443,7 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache,
     atomic_int next_task = 0;
     Args args = {q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens, out,
                  B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, 0, wk, wv, w_kind, WW,
-                 win_slot, win_start, &next_task};
+                 win_slot, win_start, sliding, &next_task};
     evalrun_pool_run(pool_task, &args, nthreads);         /* tasks are claimed until none are left */
     return 0;
 }

@@ -184,19 +184,21 @@ static inline __attribute__((always_inline)) void value_block16(const int KIND, 
 }
 #undef VALUE_TILE16
 
-/* Rows 0 .. len - 1 of one sequence's keys or values: cache, the sequence's page table, len. */
+/* Rows first .. len - 1 of one sequence's keys or values: cache, the sequence's page table, len,
+ * and the first position read (a sliding window's start, else 0). */
 typedef struct {
     const char *cache;
     const int32_t *pages;
-    int len;
+    int len, first;
 } Stream;
 
 /* Prefetch every line of the rows of positions lo .. hi - 1 of `cur`, continuing into `then`
- * past its end. */
+ * past its end (from then's first position on). */
 static inline void prefetch_ahead(const Stream *cur, const Stream *then, int64_t slot_bytes, int S, int lo, int hi) {
     for (int i = 0; i < 2; i++) {
         const Stream *st = i ? then : cur;
-        int a = i ? (lo > cur->len ? lo - cur->len : 0) : lo, b = i ? hi - cur->len : (hi < cur->len ? hi : cur->len);
+        int a = i ? then->first + (lo > cur->len ? lo - cur->len : 0) : lo;
+        int b = i ? then->first + hi - cur->len : (hi < cur->len ? hi : cur->len);
         if (b > st->len) b = st->len;
         while (a < b) {
             const int page = a / S, off = a - page * S, m = S - off < b - a ? S - off : b - a;
@@ -256,9 +258,11 @@ static inline __attribute__((always_inline)) void sequence16(const int KIND, con
         memset(o, 0, sizeof(float) * (size_t)Hq * D);
         return;
     }
-    const Stream keys = {kc, pages, L}, values = {vc, pages, L},
-                 next_keys = {kc, next >= 0 ? a->page_table + (int64_t)next * a->max_pages : pages,
-                              next >= 0 ? a->seq_lens[next] : 0};
+    const int P0 = first_position(L, a->sliding), n_keys = L - P0;    /* scores[p - P0] */
+    const int next_len = next >= 0 ? a->seq_lens[next] : 0;
+    const Stream keys = {kc, pages, L, P0}, values = {vc, pages, L, P0},
+                 next_keys = {kc, next >= 0 ? a->page_table + (int64_t)next * a->max_pages : pages, next_len,
+                              first_position(next_len, a->sliding)};
     const Window none = {NULL, 0, L, 0};
     int64_t slot[FAST_BLOCK];
     const void *rows[FAST_BLOCK];
@@ -266,27 +270,27 @@ static inline __attribute__((always_inline)) void sequence16(const int KIND, con
         for (int hq = 0; hq < Hq; hq++) bf16_order(qt + (int64_t)hq * D, q + (int64_t)hq * D, D, 0);
         q = qt;
     }
-    prefetch_ahead(&keys, &values, slot_bytes, S, 0, FAST_PFD);
-    for (int p0 = 0; p0 < L; p0 += FAST_BLOCK) {
+    prefetch_ahead(&keys, &values, slot_bytes, S, P0, P0 + FAST_PFD);
+    for (int p0 = P0; p0 < L; p0 += FAST_BLOCK) {
         const int n = L - p0 < FAST_BLOCK ? L - p0 : FAST_BLOCK;
         block_slots(pages, S, p0, n, &none, slot);
         for (int h = 0; h < Hkv; h++) {       /* the block FAST_PFD ahead, a share before each head */
             prefetch_ahead(&keys, &values, slot_bytes, S, p0 + FAST_PFD + h * n / Hkv, p0 + FAST_PFD + (h + 1) * n / Hkv);
             for (int p = 0; p < n; p++) rows[p] = kc + (slot[p] * W + (int64_t)h * D) * es;
-            score_block16(KIND, q + (int64_t)h * Gq * D, Gq, D, rows, n, scores + h * Gq * lmax + p0, lmax);
+            score_block16(KIND, q + (int64_t)h * Gq * D, Gq, D, rows, n, scores + h * Gq * lmax + p0 - P0, lmax);
         }
     }
     for (int hq = 0; hq < Hq; hq++) {
-        inv_sum[hq] = 1.0f / softmax_weights16(scores + hq * lmax, L, a->scale);
+        inv_sum[hq] = 1.0f / softmax_weights16(scores + hq * lmax, n_keys, a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
-    for (int p0 = 0; p0 < L; p0 += FAST_BLOCK) {
+    for (int p0 = P0; p0 < L; p0 += FAST_BLOCK) {
         const int n = L - p0 < FAST_BLOCK ? L - p0 : FAST_BLOCK;
         block_slots(pages, S, p0, n, &none, slot);
         for (int h = 0; h < Hkv; h++) {       /* the block FAST_PFD ahead, a share before each head */
             prefetch_ahead(&values, &next_keys, slot_bytes, S, p0 + FAST_PFD + h * n / Hkv, p0 + FAST_PFD + (h + 1) * n / Hkv);
             for (int p = 0; p < n; p++) rows[p] = vc + (slot[p] * W + (int64_t)h * D) * es;
-            value_block16(KIND, acc + (int64_t)h * Gq * D, Gq, D, scores + h * Gq * lmax + p0, lmax, rows, n);
+            value_block16(KIND, acc + (int64_t)h * Gq * D, Gq, D, scores + h * Gq * lmax + p0 - P0, lmax, rows, n);
         }
     }
     for (int hq = 0; hq < Hq; hq++) {

@@ -1,0 +1,104 @@
+"""Sliding-window attention kernels (a model's window: the query at position t attends keys
+t - W < p <= t): the torch reference against a plain dense computation on the gathered context,
+the native CPU decode kernel against the reference for every cache format, and the prefill
+reference (SDPA with the window's mask) against the same dense computation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evalrun.kernels.attention import build_metadata
+from evalrun.kernels.backend import NativeCpuKernels, TorchKernels
+from evalrun.kernels.cpu import paged_decode
+from evalrun.kernels.kv_format import KV_FORMATS
+from evalrun.kernels.ref.attention import decode_torch
+from evalrun.kernels.ref.cache_ops import gather_kv
+from evalrun.kernels.ref.kv_quant import rotate
+from tests.test_native_kernels import _need_native, _paged_case
+
+
+def dense_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], window: int,
+                 scale: float) -> torch.Tensor:
+    """q [n, Hq, D] at positions q_pos over k, v [L, Hkv, D]: float64 softmax over each query's
+    keys max(0, t - W + 1) .. t."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, t in enumerate(q_pos):
+        lo = max(0, t - window + 1) if window else 0
+        kk = k[lo: t + 1].double().repeat_interleave(hq // hkv, dim=1)        # [n_keys, Hq, D]
+        vv = v[lo: t + 1].double().repeat_interleave(hq // hkv, dim=1)
+        w = torch.einsum("hd,phd->hp", q[i].double(), kk).mul(scale).softmax(-1)
+        out[i] = torch.einsum("hp,phd->hd", w, vv)
+    return out
+
+
+FLOAT_MODES = [m for m, f in KV_FORMATS.items() if not f.quantized]
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("mode", FLOAT_MODES)
+def test_decode_reference_is_the_dense_window(mode, window):
+    page_size, lens = 16, [1, 5, 16, 17, 39, 70]
+    q, layer, meta = _paged_case(6, 2, 32, page_size, lens, mode, seed=window)
+    scale = 32 ** -0.5
+    got = decode_torch(q, layer, meta, scale, window)
+    for b, n in enumerate(lens):
+        slots = torch.tensor([meta.page_table[b, p // page_size] * page_size + p % page_size for p in range(n)])
+        k, v = gather_kv(layer, slots, torch.float32)
+        want = dense_window(q[b: b + 1], k, v, [n - 1], window, scale)
+        torch.testing.assert_close(got[b: b + 1].double(), want, atol=2e-6, rtol=1e-5)
+    if window < max(lens):               # the window changes the result where a context outgrows it
+        assert not torch.allclose(got, decode_torch(q, layer, meta, scale), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 33])
+@pytest.mark.parametrize("mode", list(KV_FORMATS))
+@pytest.mark.parametrize("hq,hkv,d,page_size", [(9, 3, 64, 16), (4, 2, 32, 8), (8, 8, 32, 256)])
+def test_native_decode_with_window_matches_reference(mode, window, hq, hkv, d, page_size):
+    """Every format (the AVX-512 float path and the generic one, codes too), windows within a page,
+    across pages and longer than some contexts."""
+    _need_native()
+    if KV_FORMATS[mode].quantized and d % KV_FORMATS[mode].group_size:
+        pytest.skip("head size not a multiple of the format's group")
+    lens = [1, 6, page_size, page_size + 3, 45, 90]
+    q, layer, meta = _paged_case(hq, hkv, d, page_size, lens, mode, seed=window + d)
+    qa = rotate(q, layer.fmt.group_size).to(q.dtype) if layer.fmt.rotate else q
+    scale = d ** -0.5
+    tol = {"atol": 2e-6, "rtol": 1e-5} if not layer.fmt.quantized else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(paged_decode.decode_native(qa, layer, meta, scale, window),
+                               decode_torch(qa, layer, meta, scale, window), **tol)
+    torch.testing.assert_close(NativeCpuKernels().attention(q, layer, meta, scale, sliding_window=window),
+                               TorchKernels().attention(q, layer, meta, scale, sliding_window=window), **tol)
+
+
+def test_native_decode_refuses_a_negative_window():
+    _need_native()
+    q, layer, meta = _paged_case(4, 2, 32, 16, [5, 9], "fp32", seed=1)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_decode.paged_decode_native(q, layer, meta.page_table, meta.seq_lens_k, 0.2, sliding_window=-1)
+
+
+@pytest.mark.parametrize("window", [3, 16, 50])
+def test_prefill_reference_is_the_dense_window(window):
+    """Prefill chunks after a cached prefix (queries are a context's last tokens) and whole prompts."""
+    page_size, lens, q_lens = 16, [30, 64, 9], [30, 20, 4]
+    q, layer, meta = _paged_case(4, 2, 32, page_size, lens, "fp32", seed=window, q_lens=q_lens)
+    scale = 32 ** -0.5
+    got = TorchKernels().attention(q, layer, meta, scale, sliding_window=window)
+    start = 0
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        slots = torch.tensor([meta.page_table[b, p // page_size] * page_size + p % page_size for p in range(n)])
+        k, v = gather_kv(layer, slots, torch.float32)
+        want = dense_window(q[start: start + m], k, v, list(range(n - m, n)), window, scale)
+        torch.testing.assert_close(got[start: start + m].double(), want, atol=2e-6, rtol=1e-5)
+        start += m
+
+
+def test_metadata_mask_is_made_once_per_forward():
+    """Every windowed layer of a forward reads one mask per sequence (kept in the metadata)."""
+    q, layer, meta = _paged_case(4, 2, 32, 16, [40], "fp32", seed=2, q_lens=[40])
+    meta = build_metadata([40], [40], [meta.page_table[0].tolist()], 16, meta.null_page, torch.device("cpu"))
+    TorchKernels().attention(q, layer, meta, 0.2, sliding_window=8)
+    masks = [v for k, v in meta.kernel_args.items() if k[0] == "sliding_mask"]
+    TorchKernels().attention(q, layer, meta, 0.2, sliding_window=8)
+    assert len(masks) == 1 and [v for k, v in meta.kernel_args.items() if k[0] == "sliding_mask"][0] is masks[0]
