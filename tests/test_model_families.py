@@ -133,9 +133,9 @@ def test_plan_names_the_windowed_layers_kernels(family_dirs) -> None:
     model = Model.load(family_dirs["mistral-window"], dtype="float32")
     from evalrun.engine import PagedCache
     names = PagedCache(model, max_tokens=256, page_size=16, mode="fp32").kernels.names
-    assert names["sliding_decode_attention"] == names["decode_attention"]
-    assert names["sliding_prefill_attention"] == "torch-sdpa"
-    assert "sliding_decode_attention" not in PagedCache(Model.load(family_dirs["qwen3"], dtype="float32"),
+    assert names["variant_decode_attention"] == names["decode_attention"]
+    assert names["variant_prefill_attention"] == "torch-sdpa"
+    assert "variant_decode_attention" not in PagedCache(Model.load(family_dirs["qwen3"], dtype="float32"),
                                                         max_tokens=256, page_size=16).kernels.names
 
 

@@ -1,7 +1,8 @@
-"""Sliding-window attention kernels (a model's window: the query at position t attends keys
-t - W < p <= t): the torch reference against a plain dense computation on the gathered context,
-the native CPU decode kernel against the reference for every cache format, and the prefill
-reference (SDPA with the window's mask) against the same dense computation."""
+"""Attention variants of model families: sliding windows (the query at position t attends keys
+t - W < p <= t) and soft-capping (each scaled score s becomes c tanh(s / c), Gemma 2). The torch
+reference against a plain dense float64 computation on the gathered context, the native CPU decode
+kernel against the reference for every cache format, and the prefill reference (SDPA with the
+window's mask, or the capped scores written out) against the same dense computation."""
 from __future__ import annotations
 
 import pytest
@@ -18,16 +19,17 @@ from tests.test_native_kernels import _need_native, _paged_case
 
 
 def dense_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], window: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q [n, Hq, D] at positions q_pos over k, v [L, Hkv, D]: float64 softmax over each query's
-    keys max(0, t - W + 1) .. t."""
+    keys max(0, t - W + 1) .. t (all keys up to t without a window), scores capped if softcap."""
     hq, hkv = q.shape[1], k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, t in enumerate(q_pos):
         lo = max(0, t - window + 1) if window else 0
         kk = k[lo: t + 1].double().repeat_interleave(hq // hkv, dim=1)        # [n_keys, Hq, D]
         vv = v[lo: t + 1].double().repeat_interleave(hq // hkv, dim=1)
-        w = torch.einsum("hd,phd->hp", q[i].double(), kk).mul(scale).softmax(-1)
+        s = torch.einsum("hd,phd->hp", q[i].double(), kk).mul(scale)
+        w = (torch.tanh(s / softcap) * softcap if softcap else s).softmax(-1)
         out[i] = torch.einsum("hp,phd->hd", w, vv)
     return out
 
@@ -102,3 +104,47 @@ def test_metadata_mask_is_made_once_per_forward():
     masks = [v for k, v in meta.kernel_args.items() if k[0] == "sliding_mask"]
     TorchKernels().attention(q, layer, meta, 0.2, sliding_window=8)
     assert len(masks) == 1 and [v for k, v in meta.kernel_args.items() if k[0] == "sliding_mask"][0] is masks[0]
+
+
+@pytest.mark.parametrize("softcap", [0.5, 2.0, 50.0])
+@pytest.mark.parametrize("window", [0, 9])
+def test_softcap_decode_reference_is_dense(softcap, window):
+    page_size, lens = 16, [1, 5, 17, 39]
+    q, layer, meta = _paged_case(6, 2, 32, page_size, lens, "fp32", seed=int(softcap * 10) + window)
+    q = q * 4                                             # scores large enough for the cap to bite
+    got = decode_torch(q, layer, meta, 0.2, window, softcap)
+    for b, n in enumerate(lens):
+        slots = torch.tensor([meta.page_table[b, p // page_size] * page_size + p % page_size for p in range(n)])
+        k, v = gather_kv(layer, slots, torch.float32)
+        want = dense_window(q[b: b + 1], k, v, [n - 1], window, 0.2, softcap)
+        torch.testing.assert_close(got[b: b + 1].double(), want, atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(got, decode_torch(q, layer, meta, 0.2, window), atol=1e-3)
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0])
+@pytest.mark.parametrize("mode", list(KV_FORMATS))
+def test_native_decode_softcap_matches_reference(mode, softcap):
+    _need_native()
+    lens = [1, 6, 16, 19, 45]
+    q, layer, meta = _paged_case(8, 2, 32, 16, lens, mode, seed=int(softcap))
+    q = q * 4
+    qa = rotate(q, layer.fmt.group_size).to(q.dtype) if layer.fmt.rotate else q
+    tol = {"atol": 2e-6, "rtol": 1e-5} if not layer.fmt.quantized else {"atol": 1e-5, "rtol": 1e-5}
+    for window in (0, 7):
+        torch.testing.assert_close(paged_decode.decode_native(qa, layer, meta, 0.2, window, softcap),
+                                   decode_torch(qa, layer, meta, 0.2, window, softcap), **tol)
+
+
+@pytest.mark.parametrize("softcap,window", [(1.0, 0), (5.0, 12)])
+def test_softcap_prefill_reference_is_dense(softcap, window):
+    page_size, lens, q_lens = 16, [30, 64], [30, 20]
+    q, layer, meta = _paged_case(4, 2, 32, page_size, lens, "fp32", seed=7, q_lens=q_lens)
+    q = q * 4
+    got = TorchKernels().attention(q, layer, meta, 0.2, sliding_window=window, softcap=softcap)
+    start = 0
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        slots = torch.tensor([meta.page_table[b, p // page_size] * page_size + p % page_size for p in range(n)])
+        k, v = gather_kv(layer, slots, torch.float32)
+        want = dense_window(q[start: start + m], k, v, list(range(n - m, n)), window, 0.2, softcap)
+        torch.testing.assert_close(got[start: start + m].double(), want, atol=2e-6, rtol=1e-5)
+        start += m

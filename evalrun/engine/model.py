@@ -36,7 +36,7 @@ def plan_key(config: ModelConfig, fmt: KVFormat, page_size: int, device: "str | 
              dtype: torch.dtype, deterministic: bool = False) -> PlanKey:
     """What a model's kernel plan over one cache is resolved for (Model.kernel_plan, the manifest)."""
     return PlanKey(torch.device(device).type, dtype, fmt, page_size, config.num_heads, config.num_kv_heads,
-                   config.head_dim, config.intermediate_size, deterministic, sliding=config.windowed,
+                   config.head_dim, config.intermediate_size, deterministic, variants=config.windowed,
                    qk_norm=config.qk_norm)
 
 

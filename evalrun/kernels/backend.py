@@ -9,10 +9,11 @@ the plan's ops with no check and no fallback; `KernelPlan.names` is what the run
 
     kv_write(k, v, layer, slot_mapping)                      new tokens into their slots
     copy_page_prefix(layers, src, dst, n)                    first n slots of a page
-    attention(q, layer, meta, scale, k, v, sliding_window=0) -> [T, Hq, D]
+    attention(q, layer, meta, scale, k, v, sliding_window=0, softcap=0.0) -> [T, Hq, D]
                                                              prefill and decode of a packed batch; a
-                                                             layer's sliding window (0: none) picks
-                                                             the plan's kernels for windowed layers
+                                                             layer's sliding window or soft-capping
+                                                             (0: none) picks the plan's kernels for
+                                                             such layers (the "variant" ones)
     rope_write_kv(qkv, cos, sin, hq, hkv, layer, slots)      -> q, k, v (k, v None where unused)
     rms_norm(x, w, eps) / head_norm(h, w, eps)               layer rows (model dtype) / the head's float32 rows
     gate_up_silu(h, gate_up) -> [T, I]                       silu(gate) * up of the fused projection
@@ -64,7 +65,7 @@ class PlanKey:
     # the cache's tensors are as LayerKV.allocate lays them out (a PagedCache's are); False: a layer
     # made by hand that does not fit (for_layer), which every backend's plan sends to the reference
     standard_layout: bool = True
-    sliding: bool = False        # some layer has a sliding window (the plan names its kernels)
+    variants: bool = False       # some layer has a sliding window or soft-capping (the plan names their kernels)
     qk_norm: bool = False        # q and k heads are normed before rope (the native decode step has no such stage)
 
     @classmethod
@@ -106,34 +107,38 @@ class KernelPlan:
 
 # --- op builders: each returns the op's callable, made once per plan ---------------------------
 def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate, prefill: Optional[Callable] = None,
-               sliding_decode: Optional[Callable] = None) -> Callable[..., torch.Tensor]:
-    """Layers without a window: decode / prefill (None: the references); with one: sliding_decode
-    (None: the reference) and SDPA with the window's mask for the prefill sequences."""
+               variant_decode: Optional[Callable] = None, variant_prefill: Optional[Callable] = None
+               ) -> Callable[..., torch.Tensor]:
+    """Layers without a window or soft-capping: decode / prefill (None: the references); with
+    either (variant layers): variant_decode and variant_prefill (None: the references, SDPA with
+    the window's mask or the capped scores written out)."""
     def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                  sliding_window: int = 0) -> torch.Tensor:
-        if sliding_window:
-            return attend(q, layer, meta, scale, sliding_decode, rotation, k, v, None, sliding_window)
+                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        if sliding_window or softcap:
+            if variant_prefill is not None and not layer.fmt.window:
+                return variant_prefill(q, layer, meta, scale, variant_decode, rotation, k, v, sliding_window, softcap)
+            return attend(q, layer, meta, scale, variant_decode, rotation, k, v, None, sliding_window, softcap)
         return attend(q, layer, meta, scale, decode, rotation, k, v, prefill)
     return attention
 
 
-def _windowed_by(full: Callable[..., torch.Tensor], sliding: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """An attention op whose kernel has no sliding window (Triton, flash-attn): windowed layers go
-    to `sliding` (the plan names it)."""
+def _variants_by(full: Callable[..., torch.Tensor], variant: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """An attention op whose kernel has no sliding window or soft-capping (Triton, flash-attn):
+    such layers go to `variant` (the plan names it)."""
     def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                  sliding_window: int = 0) -> torch.Tensor:
-        if sliding_window:
-            return sliding(q, layer, meta, scale, k, v, sliding_window)
+                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        if sliding_window or softcap:
+            return variant(q, layer, meta, scale, k, v, sliding_window, softcap)
         return full(q, layer, meta, scale, k, v)
     return attention
 
 
-def _sliding_names(key: "PlanKey", names: dict[str, str], decode: str, prefill: str) -> None:
-    """What runs the windowed layers' attention, where the model has any."""
-    if key.sliding:
-        names["sliding_decode_attention"], names["sliding_prefill_attention"] = decode, prefill
+def _variant_names(key: "PlanKey", names: dict[str, str], decode: str, prefill: str) -> None:
+    """What runs the attention of layers with a sliding window or soft-capping, where the model has any."""
+    if key.variants:
+        names["variant_decode_attention"], names["variant_prefill_attention"] = decode, prefill
 
 
 def _rope_write(write: WriteFn) -> Callable[..., tuple[Any, ...]]:
@@ -186,7 +191,7 @@ class TorchKernels:
         names = {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
                  "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
                  "decode_step": "off", "cuda_graphs": "off", "stream": str(key.dtype).removeprefix("torch.")}
-        _sliding_names(key, names, "torch", "torch-sdpa")
+        _variant_names(key, names, "torch", "torch-sdpa")
         return KernelPlan(self.name, write_kv_torch, copy_page_prefix_torch, _attention(), _rope_write(write_kv_torch),
                           rms_norm_reference, rms_norm_reference, _gate_up_silu(silu_mul_reference), False, False,
                           names)
@@ -198,8 +203,8 @@ class TorchKernels:
 
     def attention(self, q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                  sliding_window: int = 0) -> torch.Tensor:
-        return self.plan(PlanKey.for_layer(q, layer)).attention(q, layer, meta, scale, k, v, sliding_window)
+                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return self.plan(PlanKey.for_layer(q, layer)).attention(q, layer, meta, scale, k, v, sliding_window, softcap)
 
     def describe(self, fmt: KVFormat, dtype: torch.dtype = torch.float32, device: Optional[str] = None,
                  page_size: int = 256) -> dict[str, str]:
@@ -227,7 +232,7 @@ class NativeCpuKernels(TorchKernels):
         rotation = native_quant.rotate_native if native_quant.available() else rotate
         names["decode_attention"] = "native-c" if decode else "torch"
         names["prefill_attention"] = "native-c" if prefill else "torch-sdpa"
-        _sliding_names(key, names, names["decode_attention"], "torch-sdpa")
+        _variant_names(key, names, names["decode_attention"], "torch-sdpa")
         write = write_kv_torch
         if fmt.quantized and native_quant.quantize_available():
             write, names["kv_write"] = native_quant.write_kv_native, "native-c"
@@ -275,15 +280,15 @@ class TritonKernels(TorchKernels):
         attention = ref.attention
         if key.dtype in triton_attention._FLOATS and _heads_fit(key):
             if fmt.window:           # the window's prefill stays with the reference (SDPA)
-                attention = _windowed_by(_attention(triton_attention.decode_triton), ref.attention)
+                attention = _variants_by(_attention(triton_attention.decode_triton), ref.attention)
                 names["decode_attention"], names["prefill_attention"] = "triton", "torch-sdpa"
             else:
-                attention = _windowed_by(_triton_attention, ref.attention)
+                attention = _variants_by(_triton_attention, ref.attention)
                 names["decode_attention"] = names["prefill_attention"] = "triton"
-        _sliding_names(key, names, "torch", "torch-sdpa")    # the Triton kernels have no sliding window yet
+        _variant_names(key, names, "torch", "torch-sdpa")    # the Triton kernels have no sliding window yet
         names["norm_act"], names["head_norm"] = "triton rms_norm, torch silu", "triton"
         graphs = (write is not write_kv_torch and names["decode_attention"] == "triton" and not fmt.window
-                  and not key.sliding)        # the reference's windowed decode reads the lengths on the host
+                  and not key.variants)       # the reference's variant decode reads the lengths on the host
         names["cuda_graphs"] = "on" if graphs else "off"
         return KernelPlan(self.name, write, copy_page_prefix_torch, attention, _rope_write(write),
                           triton_linear.rms_norm_triton, triton_linear.rms_norm_triton, ref.gate_up_silu, False,
@@ -315,7 +320,7 @@ class FlashAttnKernels(TritonKernels):
         names = {**plan.names, "cuda_graphs": "off"}      # flash-attn reads the lengths on the host
         attention = plan.attention
         if self.usable(key):
-            attention = _windowed_by(flash_attn.attention_op(self._flash), plan.attention)
+            attention = _variants_by(flash_attn.attention_op(self._flash), plan.attention)
             names["decode_attention"] = names["prefill_attention"] = "flash-attn"
         return KernelPlan(**{**plan.__dict__, "backend": self.name, "attention": attention, "cuda_graphs": False,
                              "names": names})

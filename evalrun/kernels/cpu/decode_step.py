@@ -29,7 +29,7 @@ from ..ref.linear import Linear
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages",
-                 "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int)]
+                 "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int), ("softcap", ctypes.c_float)]
 
 
 class _Threads(ctypes.Structure):
@@ -93,6 +93,7 @@ class LayerParts:
     w_down: Linear
     kv: LayerKV
     sliding_window: int = 0            # the layer's sliding window (0: full attention)
+    softcap: float = 0.0               # the layer's attention soft-capping (0: none)
 
 
 class DecodeStep:
@@ -122,7 +123,7 @@ class DecodeStep:
             self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(), ptr(bqkv),
                                      p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
                                      p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr(),
-                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window)
+                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window, p.softcap)
         first = self._parts[0]
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
                              eps, head_dim ** -0.5, first.kv.k.shape[0] * page_size, self._layers,

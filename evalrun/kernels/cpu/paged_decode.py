@@ -9,6 +9,7 @@
                 window start on from its block of the store (layer.wk / layer.wv), rows
                 pos - start (window_slots / window_starts [B] int32)
     sliding_window  a layer's sliding window W (0: none): each query attends its last W positions
+    softcap     a layer's soft-capping c (0: none): scores s -> c tanh(s / c) before the softmax
 Same contract as the torch reference `kernels.attention.decode_torch`.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ SIGNATURES = {
                             _I32, _I32, _I32, _I32, _I32, ctypes.c_float,   # B, Hq, Hkv, D, S, scale
                             _P, _I32, _I32,                           # scratch, lmax, threads
                             _P, _P, _I32, _I32, _P, _P,               # window store, kind, rows, slots, starts
-                            _I32]),                                   # sliding window
+                            _I32, ctypes.c_float]),                   # sliding window, soft-capping
 }
 
 
@@ -94,17 +95,17 @@ def layout_supported(q: torch.Tensor, layer: LayerKV) -> bool:
 
 
 def decode_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                  sliding_window: int = 0) -> torch.Tensor:
+                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The decode group of a batch whose metadata build_metadata checked (a `DecodeFn`)."""
     nd = meta.num_decode
     window = None if not layer.fmt.window else (meta.window_slots[:nd], meta.window_starts[:nd])
-    return _call(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale, window, sliding_window)
+    return _call(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale, window, sliding_window, softcap)
 
 
 def paged_decode_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
                         window: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        sliding_window: int = 0) -> torch.Tensor:
+                        sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D] in q's dtype, float32 math. Page ids, lengths and window
     rows are checked against the cache, the table and the store before the C code reads them."""
     if not available():
@@ -120,12 +121,14 @@ def paged_decode_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tenso
     check_window(layer, seq_lens, window)
     if not isinstance(sliding_window, int) or sliding_window < 0:
         raise ValueError(f"sliding_window must be an integer >= 0, got {sliding_window!r}")
-    return _call(q, layer, page_table, seq_lens, scale, window, sliding_window)
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap must be >= 0, got {softcap!r}")
+    return _call(q, layer, page_table, seq_lens, scale, window, sliding_window, softcap)
 
 
 def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
           scale: float, window: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-          sliding_window: int = 0) -> torch.Tensor:
+          sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     b, hq, d = q.shape
     s, hkv = layer.page_size, layer.num_kv_heads
     if b == 0:
@@ -150,7 +153,7 @@ def _call(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: t
                              table.data_ptr(), table.shape[1], lens.data_ptr(), out.data_ptr(),
                              b, hq, hkv, d, s, scale, scratch.data_ptr(), lmax, threads,
                              ptr(layer.wk if layer.fmt.window else None), ptr(layer.wv if layer.fmt.window else None),
-                             w_kind, rows, ptr(win_slots), ptr(win_starts), sliding_window)
+                             w_kind, rows, ptr(win_slots), ptr(win_starts), sliding_window, softcap)
     if rc != 0:
         raise ValueError(f"native paged decode does not support Hq={hq}, Hkv={hkv}, D={d}, "
                          f"format {layer.fmt.name}")

@@ -20,6 +20,8 @@ sequence's last partial block after its attention.
 A layer with a sliding window of W (a model's, unrelated to the cache's recent-token window)
 lets the query at position t attend the keys at positions t - W < p <= t only (transformers'
 sliding_window_overlay); every path here takes it as `sliding_window` (0: full attention).
+A layer with soft-capping c (Gemma 2) caps each scaled score s as c * tanh(s / c) before the
+mask and the softmax (`softcap`, 0: none).
 """
 from __future__ import annotations
 
@@ -37,14 +39,15 @@ from .kv_quant import rotate
 def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
            decode: Optional[DecodeFn] = None, rotation: RotateFn = rotate,
            k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-           prefill: Optional[PrefillFn] = None, sliding_window: int = 0) -> torch.Tensor:
+           prefill: Optional[PrefillFn] = None, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Paged attention of every sequence of the batch, in q's dtype [T, Hq, D]: the decode
     group through `decode` (default: the torch reference), prefill sequences through `prefill`
     (formats without a window; default: SDPA on each one's gathered context). Rotating formats:
     q rotated in, the output rotated out (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
-    K/V (as written to the cache), which a windowed format needs. sliding_window: the layer's
-    (0: none); `decode` then takes it as a fifth argument and `prefill` must be None (SDPA with
-    the window's mask runs the prefill sequences)."""
+    K/V (as written to the cache), which a windowed format needs. sliding_window, softcap: the
+    layer's (0: none); `decode` then takes them as fifth and sixth arguments and `prefill` must
+    be None (SDPA with the window's mask, or the scores written out where capped, runs the
+    prefill sequences)."""
     fmt = layer.fmt
     if fmt.rotate:
         q = rotation(q, fmt.group_size).to(q.dtype)
@@ -59,9 +62,11 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
     if meta.num_decode:
         dec = decode or decode_torch
         qd = q[: meta.num_decode]
-        out[: meta.num_decode] = dec(qd, layer, meta, scale, sliding_window) if sliding_window else dec(qd, layer, meta, scale)
-    if sliding_window and prefill is not None:
-        raise ValueError("a prefill kernel with a sliding window: the plan sends windowed layers' prefill to SDPA")
+        variant = sliding_window or softcap
+        out[: meta.num_decode] = dec(qd, layer, meta, scale, sliding_window, softcap) if variant else dec(qd, layer, meta, scale)
+    if (sliding_window or softcap) and prefill is not None:
+        raise ValueError("a prefill kernel with a sliding window or soft-capping: the plan sends such layers' "
+                         "prefill to the reference")
     native_prefill = prefill is not None and fresh is None
     if native_prefill and meta.prefill:
         rows = out[meta.prefill[0].q_start:]
@@ -70,15 +75,12 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
             rows.copy_(done)
     for seq in () if native_prefill else meta.prefill:
         if fresh is not None:
-            _prefill_windowed(q, fresh, layer, seq, scale, out, sliding_window)
+            _prefill_windowed(q, fresh, layer, seq, scale, out, sliding_window, softcap)
             continue
-        qs = q[seq.q_start: seq.q_start + seq.q_len].transpose(0, 1)[None]      # [1, Hq, q, D]
+        qs = q[seq.q_start: seq.q_start + seq.q_len]                             # [q, Hq, D]
         k, v = gather_kv(layer, seq.slots, q.dtype)                              # [L, Hkv, D]
         mask = sliding_mask(meta, seq, sliding_window) if sliding_window else seq.mask
-        o = F.scaled_dot_product_attention(qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=True)
-        out[seq.q_start: seq.q_start + seq.q_len] = o[0].transpose(0, 1)
+        out[seq.q_start: seq.q_start + seq.q_len] = _sdpa(qs, k, v, mask, scale, softcap)
     if fresh is not None:                     # after every read: a sequence's last partial block
         store_window(layer, fresh, *meta.window_store_prefill)
     return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
@@ -101,6 +103,25 @@ def sliding_mask(meta: AttentionMetadata, seq: PrefillSeq, sliding_window: int) 
     return meta.kernel_args[key]
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+          softcap: float = 0.0) -> torch.Tensor:
+    """q [n, Hq, D] over k, v [L, Hkv, D] with mask [n, L] (None: causal, n == L) -> [n, Hq, D]:
+    SDPA, or with soft-capping the scores written out, capped, masked and softmaxed in float32
+    (as transformers' eager attention computes them)."""
+    if not softcap:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vv).to(q.dtype)
+
+
 # --- recent-token window --------------------------------------------------------------
 def window_values(k: torch.Tensor, v: torch.Tensor, layer: LayerKV,
                   rotation: RotateFn = rotate) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +142,8 @@ def store_window(layer: LayerKV, fresh: tuple[torch.Tensor, torch.Tensor], rows:
 
 
 def _prefill_windowed(q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor], layer: LayerKV,
-                      seq: PrefillSeq, scale: float, out: torch.Tensor, sliding_window: int = 0) -> None:
+                      seq: PrefillSeq, scale: float, out: torch.Tensor, sliding_window: int = 0,
+                      softcap: float = 0.0) -> None:
     """One prefill sequence in one SDPA call: the codes before its last block, then the exact
     values from its first query's block on (from the store, computed earlier, and from this
     forward); seq.window_mask picks for each query the codes before its block and the exact
@@ -138,10 +160,7 @@ def _prefill_windowed(q: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor],
         dev = mask.device
         k_pos = torch.cat([torch.arange((length - 1) // w * w, device=dev), torch.arange(start // w * w, length, device=dev)])
         mask = mask & key_in_window(torch.arange(start, length, device=dev), k_pos, sliding_window)
-    o = F.scaled_dot_product_attention(q[span].transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
-                                       kv[1].transpose(0, 1)[None], attn_mask=mask,
-                                       scale=scale, enable_gqa=True)
-    out[span] = o[0].transpose(0, 1)
+    out[span] = _sdpa(q[span], kv[0], kv[1], mask, scale, softcap)
 
 
 def window_overlay(layer: LayerKV, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
@@ -167,7 +186,7 @@ def paged_attention_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetada
 
 
 def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                 sliding_window: int = 0) -> torch.Tensor:
+                 sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence (already in the attention domain), in float32. One pair of
     batched matmuls per KV head reads the gathered [Bd, L, Hkv, D] keys in place (row
     stride Hkv * D), so no permuted copy of the context is made; SDPA's CPU kernel is
@@ -190,6 +209,8 @@ def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale
     out = torch.empty(bd, hkv, group, d, dtype=torch.float32, device=q.device)
     for h in range(hkv):
         scores = torch.bmm(qs[:, h], k[:, :, h].transpose(1, 2)).mul_(scale)  # [Bd, G, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(masked, float("-inf"))
         out[:, h] = torch.bmm(scores.softmax(dim=-1), v[:, :, h])              # [Bd, G, D]
     return out.view(bd, hkv * group, d).to(q.dtype)

@@ -49,6 +49,7 @@ typedef struct {
     void *k_pages, *v_pages;
     const float *bo, *b_gate_up, *b_down;                    /* may be NULL */
     int sliding;
+    float softcap;                                           /* attention soft-capping, 0: none */
 } DecodeLayer;
 
 /* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
@@ -134,7 +135,7 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
                                  q))
         STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,
                               seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
-                              0, 0, ly->sliding))
+                              0, 0, ly->sliding, ly->softcap))
         STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, x, x, nthreads))
         STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
         if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */

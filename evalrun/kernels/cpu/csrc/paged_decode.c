@@ -16,6 +16,8 @@
  *   sliding     a sliding window (0: none): each query, at position L - 1, attends the keys at
  *               positions p > L - 1 - sliding only, i.e. the last `sliding` positions (transformers'
  *               sliding_window_overlay); the keys before are never read
+ *   softcap     soft-capping (0: none): each scaled score s becomes softcap * tanh(s / softcap)
+ *               before the softmax (Gemma 2)
  *   wk, wv      [J, WW, Hkv, D]     optional recent-token window store (kinds 0-2; NULL: none):
  *   win_slot    [B]                 int32 block of the store of each sequence, and
  *   win_start   [B]                 int32 first position read from it (row pos - win_start);
@@ -65,9 +67,16 @@ typedef struct {
     int w_kind, WW;
     const int32_t *win_slot, *win_start;
     int sliding;                   /* sliding window, 0: none */
+    float softcap;                 /* soft-capping, 0: none */
     atomic_int *next_task;         /* shared: tasks are claimed one by one, so a thread on a
                                       busy core does not hold the others up */
 } Args;
+
+/* Soft-capping in place: s = cap * tanh((s * scale) / cap), the reference's operations in its
+ * order (the softmax then runs with scale 1). */
+static void cap_scores(float *s, int n, float scale, float cap) {
+    for (int p = 0; p < n; p++) s[p] = tanhf(s[p] * scale / cap) * cap;
+}
 
 /* The first position a sequence of length L reads under a sliding window of `sliding` (0: none). */
 static inline int first_position(int L, int sliding) { return sliding > 0 && L > sliding ? L - sliding : 0; }
@@ -368,7 +377,8 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         }
     }
     for (int hq = 0; hq < Hq; hq++) {
-        inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, n_keys, a->scale);
+        if (a->softcap > 0.0f) cap_scores(scores + hq * lmax, n_keys, a->scale, a->softcap);
+        inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, n_keys, a->softcap > 0.0f ? 1.0f : a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
     if (a->v_kind == KIND_F32)
@@ -429,8 +439,9 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache,
                  const int32_t *page_table, int max_pages, const int32_t *seq_lens, float *out,
                  int B, int Hq, int Hkv, int D, int S, float scale, float *scratch, int lmax,
                  int nthreads, const void *wk, const void *wv, int w_kind, int WW,
-                 const int32_t *win_slot, const int32_t *win_start, int sliding) {
-    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1 || sliding < 0) return 1;
+                 const int32_t *win_slot, const int32_t *win_start, int sliding, float softcap) {
+    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || S < 1 || lmax < 1 || sliding < 0 || !(softcap >= 0.0f))
+        return 1;
     if (wk && (!wv || !win_slot || !win_start || WW < 1 || w_kind < KIND_F32 || w_kind > KIND_F16)) return 1;
     for (int i = 0; i < 2; i++) {
         const int kind = i ? v_kind : k_kind;
@@ -443,7 +454,7 @@ int paged_decode(const float *q, const void *k_cache, const void *v_cache,
     atomic_int next_task = 0;
     Args args = {q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens, out,
                  B, Hq, Hkv, D, S, scale, scratch, lmax, nthreads, 0, wk, wv, w_kind, WW,
-                 win_slot, win_start, sliding, &next_task};
+                 win_slot, win_start, sliding, softcap, &next_task};
     evalrun_pool_run(pool_task, &args, nthreads);         /* tasks are claimed until none are left */
     return 0;
 }

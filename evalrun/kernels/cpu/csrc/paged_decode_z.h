@@ -281,7 +281,8 @@ static inline __attribute__((always_inline)) void sequence16(const int KIND, con
         }
     }
     for (int hq = 0; hq < Hq; hq++) {
-        inv_sum[hq] = 1.0f / softmax_weights16(scores + hq * lmax, n_keys, a->scale);
+        if (a->softcap > 0.0f) cap_scores(scores + hq * lmax, n_keys, a->scale, a->softcap);
+        inv_sum[hq] = 1.0f / softmax_weights16(scores + hq * lmax, n_keys, a->softcap > 0.0f ? 1.0f : a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
     for (int p0 = P0; p0 < L; p0 += FAST_BLOCK) {
