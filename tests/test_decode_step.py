@@ -38,7 +38,7 @@ needs_bf16_gemm = pytest.mark.skipif(not BF16_GEMM, reason="this CPU lacks avx51
 
 STEP_MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
                "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
-               "mistral-window": ("mistral", {"sliding_window": 24})}
+               "mistral-window": ("mistral", {"sliding_window": 24}), "qwen3": ("qwen3", {})}
 
 
 @pytest.mark.parametrize("dtype,mode", [("float32", "fp32"), ("float32", "fp16"),
@@ -47,7 +47,8 @@ STEP_MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
 def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, case, dtype, mode, count_steps, monkeypatch):
     """Same prompts, a cache each: with the native step and with EVALRUN_DECODE_STEP=0 (per-op
     path), every logit of every step is bitwise equal (qwen2: with QKV biases; llama-bias: q, k,
-    v, o and MLP biases; mistral-window: a sliding window of 24 that the contexts outgrow), for
+    v, o and MLP biases; mistral-window: a sliding window of 24 that the contexts outgrow; qwen3:
+    q/k norms), for
     float32 models on the float32 GEMM and bf16 models on the bf16 GEMM, over float32, float16 and
     bf16 pages."""
     arch, extra = STEP_MODELS[case]

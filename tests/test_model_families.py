@@ -134,7 +134,7 @@ def test_plan_names_the_windowed_layers_kernels(family_dirs) -> None:
     from evalrun.engine import PagedCache
     names = PagedCache(model, max_tokens=256, page_size=16, mode="fp32").kernels.names
     assert names["variant_decode_attention"] == names["decode_attention"]
-    assert names["variant_prefill_attention"] == "torch-sdpa"
+    assert names["variant_prefill_attention"] == names["prefill_attention"]
     assert "variant_decode_attention" not in PagedCache(Model.load(family_dirs["qwen3"], dtype="float32"),
                                                         max_tokens=256, page_size=16).kernels.names
 

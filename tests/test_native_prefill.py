@@ -18,6 +18,8 @@ def _need_native():
     if not _machine_has_cc():
         pytest.skip("no C compiler on this machine: prefill runs on SDPA")
     if not paged_prefill.available():
+        from evalrun.kernels.cpu.host import cpu_flags
+        assert not {"avx2", "fma"} <= (cpu_flags() or frozenset()), "the CPU has AVX2 and FMA but the prefill kernel did not build"
         pytest.skip("the prefill kernel needs AVX2 and FMA, which this CPU lacks")
 
 

@@ -148,3 +148,30 @@ def test_softcap_prefill_reference_is_dense(softcap, window):
         want = dense_window(q[start: start + m], k, v, list(range(n - m, n)), window, 0.2, softcap)
         torch.testing.assert_close(got[start: start + m].double(), want, atol=2e-6, rtol=1e-5)
         start += m
+
+
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (5, 0.0), (16, 0.0), (40, 0.0), (0, 2.0), (9, 30.0)])
+@pytest.mark.parametrize("mode", list(KV_FORMATS))
+def test_native_prefill_variants_match_reference(mode, window, softcap):
+    """The native prefill kernel with a window and/or soft-capping against the reference: whole
+    prompts and chunks after a cached prefix, tasks of several query positions (16 per task)
+    whose rows see different key ranges, GQA groups."""
+    from evalrun.kernels.cpu import paged_prefill
+    from evalrun.kernels.ref.attention import attend
+    _need_native()
+    if not paged_prefill.available():
+        pytest.skip("the prefill kernel needs AVX2 and FMA")
+    if KV_FORMATS[mode].quantized and 32 % KV_FORMATS[mode].group_size:
+        pytest.skip("head size not a multiple of the format's group")
+    lens, q_lens = [30, 70, 9, 45], [30, 40, 9, 1]
+    q, layer, meta = _paged_case(6, 2, 32, 16, lens, mode, seed=window + int(softcap), q_lens=q_lens)
+    q = q * 3
+    qa = rotate(q, layer.fmt.group_size).to(q.dtype) if layer.fmt.rotate else q
+    tol = {"atol": 2e-6, "rtol": 1e-5} if not layer.fmt.quantized else {"atol": 1e-5, "rtol": 1e-5}
+    got = attend(qa, layer, meta, 0.2, paged_decode.decode_native, prefill=paged_prefill.prefill_native,
+                 sliding_window=window, softcap=softcap)
+    want = attend(qa, layer, meta, 0.2, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(NativeCpuKernels().attention(q, layer, meta, 0.2, sliding_window=window, softcap=softcap),
+                               TorchKernels().attention(q, layer, meta, 0.2, sliding_window=window, softcap=softcap),
+                               **tol)

@@ -26,6 +26,7 @@ from .auto import choose_dtype, host_facts
 from .cache import PagedCache, resolve_format
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs
+from .gguf import GGUFWeights, is_gguf, load_gguf
 from .rope import rope_inv_freq, rope_table
 from .weights import WeightReader
 
@@ -36,8 +37,7 @@ def plan_key(config: ModelConfig, fmt: KVFormat, page_size: int, device: "str | 
              dtype: torch.dtype, deterministic: bool = False) -> PlanKey:
     """What a model's kernel plan over one cache is resolved for (Model.kernel_plan, the manifest)."""
     return PlanKey(torch.device(device).type, dtype, fmt, page_size, config.num_heads, config.num_kv_heads,
-                   config.head_dim, config.intermediate_size, deterministic, variants=config.windowed,
-                   qk_norm=config.qk_norm)
+                   config.head_dim, config.intermediate_size, deterministic, variants=config.windowed)
 
 
 def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False,
@@ -112,7 +112,8 @@ class Model:
     def load(cls, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu",
              kernels: Optional[TorchKernels] = None, deterministic: bool = False,
              cuda_graphs: bool = True) -> "Model":
-        """Load a Hugging Face model directory (config.json + safetensors, sharded or not).
+        """Load a Hugging Face model directory (config.json + safetensors, sharded or not), or a
+        llama.cpp .gguf file (its weights de-quantized once, here, to `dtype`: engine/gguf.py).
         dtype "auto": bfloat16 on CUDA or a CPU with native bf16, else float32 (evalrun/engine/auto.py).
         kernels: the backend that resolves each cache's KernelPlan (default: chosen for the device,
         kernels/backend.py choose_kernels).
@@ -131,9 +132,14 @@ class Model:
             if reason is not None:
                 raise ValueError(f"deterministic mode: {reason}")
         model_dir = Path(model_dir)
-        config = ModelConfig.load(model_dir)
-        reader = WeightReader(model_dir, DTYPES[dtype], torch.device(device))
+        if is_gguf(model_dir):         # a llama.cpp file: config and weights from it (engine/gguf.py)
+            config, reader = load_gguf(model_dir, DTYPES[dtype], torch.device(device))
+        else:
+            config = ModelConfig.load(model_dir)
+            reader = WeightReader(model_dir, DTYPES[dtype], torch.device(device))
         model = _build(config, reader, DTYPES[dtype], torch.device(device), kernels, deterministic)
+        if isinstance(reader, GGUFWeights):
+            reader.check_all_read()
         model.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         return model
 
@@ -210,7 +216,7 @@ class Model:
             return step
         cfg = self.config
         parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i),
-                            ly.sliding_window) for i, ly in enumerate(self.layers)]
+                            ly.sliding_window, 0.0, ly.q_norm, ly.k_norm) for i, ly in enumerate(self.layers)]
         dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         if not DecodeStep.supports(parts, self.dtype, self.device, *dims):
             raise ValueError("the kernel plan runs the native decode step, but this model's weights or this "

@@ -66,7 +66,6 @@ class PlanKey:
     # made by hand that does not fit (for_layer), which every backend's plan sends to the reference
     standard_layout: bool = True
     variants: bool = False       # some layer has a sliding window or soft-capping (the plan names their kernels)
-    qk_norm: bool = False        # q and k heads are normed before rope (the native decode step has no such stage)
 
     @classmethod
     def for_layer(cls, q: torch.Tensor, layer: LayerKV, deterministic: bool = False) -> "PlanKey":
@@ -116,9 +115,7 @@ def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate, p
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
                   sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         if sliding_window or softcap:
-            if variant_prefill is not None and not layer.fmt.window:
-                return variant_prefill(q, layer, meta, scale, variant_decode, rotation, k, v, sliding_window, softcap)
-            return attend(q, layer, meta, scale, variant_decode, rotation, k, v, None, sliding_window, softcap)
+            return attend(q, layer, meta, scale, variant_decode, rotation, k, v, variant_prefill, sliding_window, softcap)
         return attend(q, layer, meta, scale, decode, rotation, k, v, prefill)
     return attention
 
@@ -232,7 +229,7 @@ class NativeCpuKernels(TorchKernels):
         rotation = native_quant.rotate_native if native_quant.available() else rotate
         names["decode_attention"] = "native-c" if decode else "torch"
         names["prefill_attention"] = "native-c" if prefill else "torch-sdpa"
-        _variant_names(key, names, names["decode_attention"], "torch-sdpa")
+        _variant_names(key, names, names["decode_attention"], names["prefill_attention"])
         write = write_kv_torch
         if fmt.quantized and native_quant.quantize_available():
             write, names["kv_write"] = native_quant.write_kv_native, "native-c"
@@ -253,10 +250,10 @@ class NativeCpuKernels(TorchKernels):
         names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
         names["head_norm"] = "native-c" if fused_ok else "torch"
         step = (fused_ok and f32 and key.linear in ("native-gemm", "native-bf16") and float_pages
-                and not key.qk_norm and decode_step.available())
+                and decode_step.available())
         names["decode_step"] = "native-c" if step else "off"
         names["stream"] = "float32" if bf16_gemm else names["stream"]
-        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill, decode), rope,
+        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill, decode, prefill), rope,
                           norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None)
 
 

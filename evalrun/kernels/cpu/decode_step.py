@@ -29,7 +29,8 @@ from ..ref.linear import Linear
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages",
-                 "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int), ("softcap", ctypes.c_float)]
+                 "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int), ("softcap", ctypes.c_float),
+                                                  ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Threads(ctypes.Structure):
@@ -94,6 +95,8 @@ class LayerParts:
     kv: LayerKV
     sliding_window: int = 0            # the layer's sliding window (0: full attention)
     softcap: float = 0.0               # the layer's attention soft-capping (0: none)
+    q_norm: Optional[torch.Tensor] = None    # [D] per-head q/k RMSNorm weights (Qwen3), or None
+    k_norm: Optional[torch.Tensor] = None
 
 
 class DecodeStep:
@@ -108,22 +111,25 @@ class DecodeStep:
         self._lib, self._parts = lib, list(parts)
         # float32 norm weights (a bf16 model's, widened: exact) and biases (qkv, o, gate/up, down)
         norms = [(p.input_norm.float().contiguous(), p.post_norm.float().contiguous()) for p in self._parts]
+        head_norms = [(None, None) if p.q_norm is None else (p.q_norm.float().contiguous(), p.k_norm.float().contiguous())
+                      for p in self._parts]
         biases = [[None if lin.bias is None else lin.bias.float().contiguous()
                    for lin in (p.wqkv, p.wo, p.w_gate_up, p.w_down)] for p in self._parts]
         # the tensors themselves (not only their containers) stay referenced while the C code holds
         # their addresses; pages_match compares the pages by address and shape
-        self._keep = [t for p, n, b in zip(self._parts, norms, biases)
-                      for t in (*n, *b, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
+        self._keep = [t for p, n, b, hn in zip(self._parts, norms, biases, head_norms)
+                      for t in (*n, *b, *hn, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
                                 p.kv.k, p.kv.v) if t is not None]
         self._pages = [(p.kv.k.data_ptr(), p.kv.v.data_ptr(), tuple(p.kv.k.shape)) for p in self._parts]
         page_size = self._parts[0].kv.k.shape[1]
         self._layers = (_Layer * len(self._parts))()
         ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
-        for i, (p, (n_in, n_post), (bqkv, bo, bgu, bd)) in enumerate(zip(self._parts, norms, biases)):
+        for i, (p, (n_in, n_post), (bqkv, bo, bgu, bd), (qn, kn)) in enumerate(zip(self._parts, norms, biases,
+                                                                                   head_norms)):
             self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(), ptr(bqkv),
                                      p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
                                      p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr(),
-                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window, p.softcap)
+                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window, p.softcap, ptr(qn), ptr(kn))
         first = self._parts[0]
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
                              eps, head_dim ** -0.5, first.kv.k.shape[0] * page_size, self._layers,
@@ -148,7 +154,10 @@ class DecodeStep:
                 return False
             if any(lin.bias is not None and tuple(lin.bias.shape) != (shape[0],) for lin, shape in zip(lins, shapes)):
                 return False
-            if not isinstance(p.sliding_window, int) or p.sliding_window < 0:
+            if not isinstance(p.sliding_window, int) or p.sliding_window < 0 or not p.softcap >= 0.0:
+                return False
+            if (p.q_norm is None) != (p.k_norm is None) or any(
+                    t is not None and tuple(t.shape) != (head_dim,) for t in (p.q_norm, p.k_norm)):
                 return False
             if not all(t.dtype == dtype and t.shape == (hidden,) for t in (p.input_norm, p.post_norm)):
                 return False

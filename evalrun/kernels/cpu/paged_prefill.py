@@ -30,7 +30,8 @@ SIGNATURES = {
     "paged_prefill": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _I32,     # q, k, v, scales, kinds, group
                              _P, _I32, _P, _P, _P, _P,                 # table, width, lens, q starts, q lens, out
                              _I32, _I32, _I32, _I32, _I32, ctypes.c_float,   # B, Hq, Hkv, D, S, scale
-                             _P, _I32, _I32]),                         # scratch, lmax, threads
+                             _P, _I32, _I32,                           # scratch, lmax, threads
+                             _I32, ctypes.c_float]),                   # sliding window, soft-capping
     "paged_prefill_scratch_floats": (_I64, [_I32, _I32, _I32, _I32, _I32, _I32]),
 }
 LANES = 16                 # D must be a multiple of the widest vector the kernel may use
@@ -78,23 +79,24 @@ class Sequences:
 
 
 def prefill_native(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The prefill sequences of a batch whose metadata build_metadata checked (a `PrefillFn`):
     q [T, Hq, D] of the whole batch -> [T - first prefill row, Hq, D]. Their int32 tables are made
     once per forward (kept on the metadata, which every layer shares). out: where to write that
     result, used when it is a contiguous float32 tensor of its shape (the rows of the batch's
-    output), and returned; else a new tensor is."""
+    output), and returned; else a new tensor is. sliding_window, softcap: the layer's (0: none)."""
     seqs = meta.kernel_args.get("paged_prefill")
     if seqs is None:
         nd = meta.num_decode
         cu = meta.cu_seqlens_q[nd:].long()
         seqs = meta.kernel_args["paged_prefill"] = Sequences.of(meta.page_table[nd:], meta.seq_lens_k[nd:],
                                                                 cu[1:] - cu[:-1])
-    return _call(q[meta.prefill[0].q_start:], layer, seqs, scale, out)
+    return _call(q[meta.prefill[0].q_start:], layer, seqs, scale, out, sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_prefill_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                         q_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         q_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
     """q [sum(q_lens), Hq, D] -> [sum(q_lens), Hq, D] in q's dtype, float32 math. Page ids,
     lengths and query counts are checked before the C code reads the cache."""
     if not supported(q, layer):
@@ -110,7 +112,10 @@ def paged_prefill_native(q: torch.Tensor, layer: LayerKV, page_table: torch.Tens
     if int(q_lens.sum()) != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows, the sequences' q_lens sum to {int(q_lens.sum())}")
     check_pages(page_table, seq_lens, layer.page_size, layer.k.shape[0] - 1)
-    return _call(q, layer, Sequences.of(page_table, seq_lens, q_lens), scale)
+    if not isinstance(sliding_window, int) or sliding_window < 0 or not softcap >= 0.0:
+        raise ValueError(f"sliding_window must be an integer >= 0 and softcap >= 0, got {sliding_window!r}, {softcap!r}")
+    return _call(q, layer, Sequences.of(page_table, seq_lens, q_lens), scale, sliding_window=sliding_window,
+                 softcap=softcap)
 
 
 def _scratch(floats: int) -> torch.Tensor:
@@ -121,7 +126,8 @@ def _scratch(floats: int) -> torch.Tensor:
 
 
 def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float,
-          dest: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None) -> torch.Tensor:
+          dest: Optional[torch.Tensor] = None, lib: Optional[ctypes.CDLL] = None, sliding_window: int = 0,
+          softcap: float = 0.0) -> torch.Tensor:
     """lib: another build of paged_prefill.c with the same SIGNATURES (benchmarks/bench_prefill_attention.py
     times an older source against this one); default the one native.load built."""
     t, hq, d = q.shape
@@ -143,7 +149,7 @@ def _call(q: torch.Tensor, layer: LayerKV, seqs: Sequences, scale: float,
                            ptr(layer.v_scale), k_kind, v_kind, layer.fmt.group_size, seqs.table.data_ptr(),
                            seqs.table.shape[1], seqs.lens.data_ptr(), seqs.q_starts.data_ptr(),
                            seqs.q_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, s, scale, scratch.data_ptr(),
-                           seqs.lmax, threads)
+                           seqs.lmax, threads, sliding_window, softcap)
     if rc != 0:
         raise ValueError(f"native paged prefill does not support Hq={hq}, Hkv={hkv}, D={d}, "
                          f"format {layer.fmt.name}")

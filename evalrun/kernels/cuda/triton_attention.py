@@ -22,6 +22,14 @@ softmax in float32. A second kernel merges the splits by their maxima and sums:
 Prefill: one program per (sequence, query head, block of BLOCK_M queries), causal over
 its context read through the page table (query i sits at position L - q_len + i).
 
+Layer variants (both kernels; 0 turns each off, and the kernels built without it are today's):
+    sliding window W   query at position t attends keys t - W < p <= t: a decode row's splits
+                       start at max(0, L - W) (so it has cdiv(min(L, W), SPLIT_LEN) of them),
+                       a prefill block's key loop at its first query's t - W + 1, masked per query
+    soft-capping c     each scaled score s becomes c tanh(s / c) in float32 before the mask and
+                       the online softmax (scores are kept in base 2: s log2(e) = c' tanh(s' / c')
+                       with s' = s log2(e), c' = c log2(e)); tanh by `_tanh` (within 2 ulp of float32)
+
 Numerics: 16-bit caches read by a query of the same dtype multiply in that dtype on the
 tensor cores with float32 accumulation (products exact) and round the probabilities to it
 for P @ V, as flash-attn does; every other case (fp32, mixed dtypes, dequantized codes)
@@ -33,6 +41,7 @@ so there the 16-bit dot is emulated in float32 from the same rounded inputs.
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -114,13 +123,44 @@ def cast(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
     return x.to(dtype)
 
 
-def _online_softmax(s, v, m_i, l_i, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
+def _online_softmax(s, v, m_i, l_i, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     """One block of base-2 scores s [M, N] and its values v [N, D] folded into the running
-    max m_i, sum l_i and output acc (flash attention's online softmax)."""
+    max m_i, sum l_i and output acc (flash attention's online softmax). EMPTY_ROWS: a row may
+    have seen no key yet (m_new -inf, as before a sliding window's keys); it subtracts 0 instead,
+    so its alpha and p are 0 rather than NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), _mma(p, v, acc * alpha[:, None], NATIVE, EMULATE)
+
+
+def _tanh(x):
+    """tanh of float32 x within 2 ulp (measured over [-12, 12]), from plain arithmetic and exp,
+    so the interpreter (which has no libdevice) runs what the GPU runs: tanh's odd Taylor
+    polynomial to x^15 below |x| 0.55, 1 - 2e / (1 + e) with e = exp(-2|x|) above."""
+    ax = tl.abs(x)
+    x2 = x * x
+    p = -929569.0 / 638512875.0
+    p = p * x2 + 21844.0 / 6081075.0
+    p = p * x2 - 1382.0 / 155925.0
+    p = p * x2 + 62.0 / 2835.0
+    p = p * x2 - 17.0 / 315.0
+    p = p * x2 + 2.0 / 15.0
+    p = p * x2 - 1.0 / 3.0
+    small = x * (p * x2 + 1.0)
+    e = tl.exp(-2.0 * ax)
+    big = 1.0 - 2.0 * e / (1.0 + e)
+    return tl.where(ax < 0.55, small, tl.where(x < 0, -big, big))
+
+
+def _cap(s, cap_log2, SOFTCAP: tl.constexpr):
+    """Base-2 scores s soft-capped at cap_log2 (c log2(e)) when SOFTCAP."""
+    if SOFTCAP:
+        s = _tanh(s / cap_log2) * cap_log2
+    return s
 
 
 def _mma(a, b, acc, NATIVE: tl.constexpr, EMULATE: tl.constexpr):
@@ -161,15 +201,18 @@ def _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, slot, pos, pmask, hea
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_ptr, wstart_ptr,
                    table_ptr, lens_ptr, acc_ptr, ml_ptr,
                    scale_log2, q_stride_t, q_stride_h, table_stride, split_len, num_splits,
+                   sliding_window, cap_log2,
                    HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr,
-                   NATIVE: tl.constexpr, EMULATE: tl.constexpr,
+                   NATIVE: tl.constexpr, EMULATE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     start = split * split_len
+    if SLIDING:                    # the row's splits start at its window's first key
+        start += tl.maximum(seq_len - sliding_window, 0)
     end = tl.minimum(start + split_len, seq_len)
     g = tl.arange(0, BLOCK_G)
     col = tl.arange(0, BLOCK_D)
@@ -193,8 +236,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
         k, v = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, slot, pos, pmask, kh, col, dmask,
                         w_slot, w_start, HKV, D, K_BITS, V_BITS, GROUP, WINDOW)   # [N, D]
         s = _mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), NATIVE, EMULATE) * scale_log2
-        s = tl.where(pmask[None, :], s, float("-inf"))                           # [G, N]
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE)
+        s = tl.where(pmask[None, :], _cap(s, cap_log2, SOFTCAP), float("-inf"))  # [G, N]
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE, False)
     part = (b * (HKV * GQA) + heads).to(tl.int64) * num_splits + split           # [G]
     gmask = (g < GQA) & (start < seq_len)          # a split past the row's length stores nothing: the
     tl.store(acc_ptr + part[:, None] * D + col[None, :], acc, mask=gmask[:, None] & dmask[None, :])
@@ -203,16 +246,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
 
 
 def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lens_ptr, out_stride_t, out_stride_h, num_splits, split_len,
-                    EMULATE: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    sliding_window, EMULATE: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SLIDING: tl.constexpr):
     """A row's own splits (those its length reaches) merged in a fixed order, BLOCK_S at a time:
     its result depends on them alone, not on how many splits the grid has for a longer row of the
-    batch or for the longest context a CUDA graph was captured for (masked lanes weigh exactly 0)."""
+    batch or for the longest context a CUDA graph was captured for (masked lanes weigh exactly 0).
+    SLIDING: the row's keys are its last min(L, sliding_window)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     col = tl.arange(0, BLOCK_D)
     base = (b * HQ + h).to(tl.int64) * num_splits
-    own = tl.minimum(tl.cdiv(tl.maximum(tl.load(lens_ptr + b), 1), split_len), num_splits)
+    keys = tl.maximum(tl.load(lens_ptr + b), 1)
+    if SLIDING:
+        keys = tl.minimum(keys, sliding_window)
+    own = tl.minimum(tl.cdiv(keys, split_len), num_splits)
     m_max = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     for s0 in range(0, own, BLOCK_S):
         sp = s0 + tl.arange(0, BLOCK_S)
@@ -236,9 +283,10 @@ def _combine_kernel(acc_ptr, ml_ptr, out_ptr, lens_ptr, out_stride_t, out_stride
 # --- prefill ---------------------------------------------------------------------------------
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, lens_ptr, cu_q_ptr,
                     scale_log2, q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride, first_seq,
+                    sliding_window, cap_log2,
                     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr,
-                    NATIVE: tl.constexpr, EMULATE: tl.constexpr,
+                    NATIVE: tl.constexpr, EMULATE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = first_seq + tl.program_id(0)
     h = tl.program_id(1)
@@ -260,7 +308,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, len
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_end = tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M)              # past the last query
-        for n0 in range(0, k_end, BLOCK_N):
+        k_start = 0
+        if SLIDING:                # the first query's window: rows after it mask its first keys
+            k_start = tl.maximum(seq_len - q_len + m0 - sliding_window + 1, 0)
+        for n0 in range(k_start, k_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pmask = pos < k_end
             page = tl.load(table_ptr + b * table_stride + pos // PAGE, mask=pmask, other=0)
@@ -268,8 +319,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, len
             k, v = _load_kv(k_ptr, v_ptr, ks_ptr, vs_ptr, k_ptr, v_ptr, slot, pos, pmask, kh, col, dmask,
                             0, 0, HKV, D, K_BITS, V_BITS, GROUP, 0)
             s = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), NATIVE, EMULATE) * scale_log2
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE)
+            keep = (pos[None, :] <= q_pos[:, None]) & pmask[None, :]
+            if SLIDING:
+                keep = keep & (pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(keep, _cap(s, cap_log2, SOFTCAP), float("-inf"))           # [M, N]
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE, SLIDING)
         o = acc / l_i[:, None]
         tl.store(out_ptr + tok[:, None] * out_stride_t + h * out_stride_h + col[None, :],
                  cast(o, out_ptr.dtype.element_ty, EMULATE), mask=rmask[:, None] & dmask[None, :])
@@ -287,6 +341,17 @@ def _format_args(q: torch.Tensor, layer: LayerKV) -> dict:
                 NATIVE=native, EMULATE=interpreting(), BLOCK_D=max(16, next_power_of_2(layer.head_dim)))
 
 
+def _variant_args(sliding_window: int, softcap: float) -> dict:
+    """The kernels' arguments for a layer's sliding window (0: full causal) and soft-capping
+    (0.0: none); either off builds the kernel without it."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 0:
+        raise ValueError(f"sliding_window must be an int >= 0 (0: full attention), got {sliding_window!r}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
+    return dict(sliding_window=min(sliding_window, 2 ** 31 - 1), cap_log2=float(softcap) * LOG2E,
+                SLIDING=sliding_window > 0, SOFTCAP=softcap > 0)
+
+
 def _scales(layer: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale tensors, or the code tensors as unused stand-ins for float formats."""
     return (layer.k_scale, layer.v_scale) if layer.fmt.quantized else (layer.k, layer.v)
@@ -297,7 +362,7 @@ SPLIT_LEN = 512      # decode positions per program: fixed, so a row's result ne
 
 def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
             max_len: int, window: Optional[tuple[torch.Tensor, torch.Tensor]],
-            split_len: Optional[int], block_n: Optional[int]) -> torch.Tensor:
+            split_len: Optional[int], block_n: Optional[int], variant: dict) -> torch.Tensor:
     bd, hq, d = q.shape
     out = torch.empty_like(q)
     if bd == 0:
@@ -305,7 +370,8 @@ def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens:
     args = _format_args(q, layer)
     block_n = block_n or (16 if interpreting() else 64)
     split_len = -(-(split_len or SPLIT_LEN) // block_n) * block_n             # whole blocks
-    splits = -(-max(1, max_len) // split_len)
+    keys = min(max_len, variant["sliding_window"]) if variant["SLIDING"] else max_len      # a row's most keys
+    splits = -(-max(1, keys) // split_len)
     acc = torch.empty(bd, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bd, hq, splits, 2, dtype=torch.float32, device=q.device)
     ks, vs = _scales(layer)
@@ -314,26 +380,31 @@ def _decode(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens:
     kernels()._decode_kernel[(bd, layer.num_kv_heads, splits)](
         q, layer.k, layer.v, ks, vs, wk, wv, w_slots, w_starts, page_table, seq_lens, acc, ml,
         scale * LOG2E, q.stride(0), q.stride(1), page_table.stride(0), split_len, splits,
-        WINDOW=layer.fmt.window, BLOCK_G=max(16, next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args)
-    kernels()._combine_kernel[(bd, hq)](acc, ml, out, seq_lens, out.stride(0), out.stride(1), splits, split_len, interpreting(),
-                              HQ=hq, D=d, BLOCK_S=16, BLOCK_D=args["BLOCK_D"])
+        WINDOW=layer.fmt.window, BLOCK_G=max(16, next_power_of_2(args["GQA"])), BLOCK_N=block_n, **args, **variant)
+    kernels()._combine_kernel[(bd, hq)](acc, ml, out, seq_lens, out.stride(0), out.stride(1), splits, split_len,
+                                        variant["sliding_window"], interpreting(), HQ=hq, D=d, BLOCK_S=16,
+                                        BLOCK_D=args["BLOCK_D"], SLIDING=variant["SLIDING"])
     return out
 
 
-def decode_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The decode group of a batch whose metadata build_metadata checked (a `DecodeFn` for
-    kernels.attention.attend): q [Bd, Hq, D] -> [Bd, Hq, D] in q's dtype."""
+    kernels.attention.attend): q [Bd, Hq, D] -> [Bd, Hq, D] in q's dtype. sliding_window,
+    softcap: the layer's (0: none), as decode_torch takes them."""
     nd = meta.num_decode
     window = (meta.window_slots[:nd], meta.window_starts[:nd]) if layer.fmt.window else None
     return _decode(q, layer, meta.page_table[:nd], meta.seq_lens_k[:nd], scale, meta.max_seqlen_k,
-                   window, None, None)
+                   window, None, None, _variant_args(sliding_window, softcap))
 
 
 def paged_decode_triton(q: torch.Tensor, layer: LayerKV, page_table: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, window: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                        split_len: Optional[int] = None, block_n: Optional[int] = None) -> torch.Tensor:
+                        split_len: Optional[int] = None, block_n: Optional[int] = None,
+                        sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D] (same contract as paged_decode.paged_decode_native); page
     ids, lengths and window rows are checked first (this syncs with the device)."""
+    variant = _variant_args(sliding_window, softcap)
     if not supported(q, layer):
         raise ValueError(f"the Triton decode kernel cannot take q {tuple(q.shape)} {q.dtype} {q.device} "
                          f"with a {layer.fmt.name} cache of K {tuple(layer.k.shape)} {layer.k.dtype}")
@@ -346,13 +417,15 @@ def paged_decode_triton(q: torch.Tensor, layer: LayerKV, page_table: torch.Tenso
         raise ValueError("decode rows attend at least their own token: seq_lens must be >= 1")
     max_len = int(seq_lens.max()) if q.shape[0] else 0
     return _decode(q, layer, page_table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-                   scale, max_len, window, split_len, block_n)
+                   scale, max_len, window, split_len, block_n, variant)
 
 
 def prefill_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                   block_m: Optional[int] = None, block_n: Optional[int] = None) -> None:
+                   block_m: Optional[int] = None, block_n: Optional[int] = None,
+                   sliding_window: int = 0, softcap: float = 0.0) -> None:
     """Rows of the prefill sequences (after the decode group) of out [T, Hq, D]; formats
     without a recent-token window (the caller rotates q and out for rotating ones)."""
+    variant = _variant_args(sliding_window, softcap)
     num_prefill = len(meta.prefill)
     if not num_prefill:
         return
@@ -365,20 +438,23 @@ def prefill_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, sca
     grid = (num_prefill, q.shape[1], cdiv(meta.max_seqlen_q, block_m))
     kernels()._prefill_kernel[grid](q, layer.k, layer.v, ks, vs, out, meta.page_table, meta.seq_lens_k, meta.cu_seqlens_q,
                           scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          meta.page_table.stride(0), meta.num_decode, BLOCK_M=block_m, BLOCK_N=block_n, **args)
+                          meta.page_table.stride(0), meta.num_decode, BLOCK_M=block_m, BLOCK_N=block_n, **args,
+                          **variant)
 
 
-def paged_attention_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention_triton(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
+                           sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode group and prefill sequences of a packed batch, formats without a window; q in
-    the attention domain. Returns [T, Hq, D] in q's dtype."""
+    the attention domain. sliding_window, softcap: the layer's (0: none). Returns [T, Hq, D]
+    in q's dtype."""
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = decode_triton(q[: meta.num_decode], layer, meta, scale)
-    prefill_triton(q, layer, meta, scale, out)
+        out[: meta.num_decode] = decode_triton(q[: meta.num_decode], layer, meta, scale, sliding_window, softcap)
+    prefill_triton(q, layer, meta, scale, out, sliding_window=sliding_window, softcap=softcap)
     return out
 
 
-JIT = (_load_rows, cast, _online_softmax, _mma, _load_kv, _decode_kernel, _combine_kernel, _prefill_kernel)
+JIT = (_load_rows, cast, _online_softmax, _tanh, _cap, _mma, _load_kv, _decode_kernel, _combine_kernel, _prefill_kernel)
 
 
 @functools.cache

@@ -45,9 +45,8 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
     (formats without a window; default: SDPA on each one's gathered context). Rotating formats:
     q rotated in, the output rotated out (with `rotation`, default the torch reference). k, v [T, Hkv, D]: this forward's new
     K/V (as written to the cache), which a windowed format needs. sliding_window, softcap: the
-    layer's (0: none); `decode` then takes them as fifth and sixth arguments and `prefill` must
-    be None (SDPA with the window's mask, or the scores written out where capped, runs the
-    prefill sequences)."""
+    layer's (0: none); `decode` then takes them as fifth and sixth arguments and `prefill` as
+    keywords (where None: SDPA with the window's mask, or the scores written out where capped)."""
     fmt = layer.fmt
     if fmt.rotate:
         q = rotation(q, fmt.group_size).to(q.dtype)
@@ -59,18 +58,16 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
         fresh = window_values(k, v, layer, rotation)
         store_window(layer, fresh, *meta.window_store_decode)
     out = torch.empty_like(q)
+    variant = bool(sliding_window or softcap)
     if meta.num_decode:
         dec = decode or decode_torch
         qd = q[: meta.num_decode]
-        variant = sliding_window or softcap
         out[: meta.num_decode] = dec(qd, layer, meta, scale, sliding_window, softcap) if variant else dec(qd, layer, meta, scale)
-    if (sliding_window or softcap) and prefill is not None:
-        raise ValueError("a prefill kernel with a sliding window or soft-capping: the plan sends such layers' "
-                         "prefill to the reference")
     native_prefill = prefill is not None and fresh is None
     if native_prefill and meta.prefill:
         rows = out[meta.prefill[0].q_start:]
-        done = prefill(q, layer, meta, scale, out=rows)
+        extra = {"sliding_window": sliding_window, "softcap": softcap} if variant else {}
+        done = prefill(q, layer, meta, scale, out=rows, **extra)
         if done.data_ptr() != rows.data_ptr():            # the kernel could not write in place
             rows.copy_(done)
     for seq in () if native_prefill else meta.prefill:

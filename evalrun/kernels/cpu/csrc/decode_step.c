@@ -24,7 +24,8 @@
  *                 gemm_bf16_pack where DecodeModel.weight_kind is 1), biases (float32, each NULL
  *                 where the layer has none: qkv [Q], o [H], gate/up [2I], down [H]), the layer's
  *                 K and V pages [P + 1, S, Hkv, D] of DecodeModel.page_kind (kv_load.h) and its
- *                 sliding window (0: full attention; paged_decode.c)
+ *                 sliding window (0: full attention; paged_decode.c), soft-capping (0: none)
+ *                 and q/k norm weights [D] (NULL: none; each q and k head RMS-normed before rope)
  *   x             [T, H] in/out
  *   cos, sin      [T, D] at each token's position
  *   slots         [T] int64 flat cache slot of each new token (page * S + offset)
@@ -50,6 +51,7 @@ typedef struct {
     const float *bo, *b_gate_up, *b_down;                    /* may be NULL */
     int sliding;
     float softcap;                                           /* attention soft-capping, 0: none */
+    const float *q_norm, *k_norm;                            /* [D] per-head q/k RMSNorm (Qwen3), or NULL */
 } DecodeLayer;
 
 /* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
@@ -131,6 +133,15 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
         const DecodeLayer *ly = &m->layers[l];
         STAGE(0, rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads))
         STAGE(1, step_gemm(m, h, T, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
+        if (ly->q_norm) {            /* each token's q heads, then its k heads: rows of D in place */
+            int rc = 0;
+            for (int t = 0; t < T && !rc; t++) {
+                float *row = qkv + (int64_t)t * Q;
+                rc = rms_norm_f32(row, ly->q_norm, row, Hq, D, m->eps, 1)
+                     || rms_norm_f32(row + (int64_t)Hq * D, ly->k_norm, row + (int64_t)Hq * D, Hkv, D, m->eps, 1);
+            }
+            STAGE(0, rc)
+        }
         STAGE(2, rope_write_kind(qkv, Q, cos, sin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, kind,
                                  q))
         STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,

@@ -12,6 +12,8 @@
  *                                   sits at position seq_lens[b] - q_len[b] + i and sees every key
  *                                   at a position <= its own
  *   out         [T, Hq, D]          float32
+ *   sliding     a sliding window W (0: none): the query at position t sees the keys t - W < p <= t
+ *   softcap     soft-capping c (0: none): each scaled score s becomes c * tanh(s / c) (Gemma 2)
  *   scratch     nthreads x paged_prefill_scratch_floats(Hq, Hkv, D, lmax, k_kind, v_kind), lmax >=
  *               max(seq_lens)
  *
@@ -133,6 +135,8 @@ typedef struct {
     float scale;
     float *scratch;
     int lmax;
+    int sliding;                   /* sliding window, 0: none */
+    float softcap;                 /* soft-capping, 0: none */
     const int64_t *first_task;     /* [B + 1] tasks before sequence b */
     int64_t ntasks;
     int nranges;
@@ -250,6 +254,30 @@ static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, co
     }
 }
 
+/* Under a sliding window: row r (lane) sees keys lo[r] <= p < lim[r] only, the window's start
+ * below and its position above; keys [kb, nk) are the task's. Lane by lane (windowed layers only):
+ * the same steps as softmax_rows for each lane, its unseen keys weighing 0. */
+static void softmax_rows_window(float *sc, int64_t rp, int nvec, int kb, int nk, const float *lo, const float *lim,
+                                float *inv) {
+    for (int r = 0; r < nvec * VW; r++) {
+        const int a = (int)lo[r], b = (int)lim[r];
+        float m = -INFINITY, sum = 0.0f;
+        for (int p = a; p < b; p++) m = sc[p * rp + r] > m ? sc[p * rp + r] : m;
+        for (int p = kb; p < nk; p++) {
+            const float w = p >= a && p < b ? expf(sc[p * rp + r] - m) : 0.0f;
+            sc[p * rp + r] = w;
+            sum = sum + w;
+        }
+        inv[r] = 1.0f / sum;
+    }
+}
+
+/* Soft-capping of the task's scores in place: s = c * tanh(s / c), over keys [kb, nk) and every lane. */
+static void cap_rows(float *sc, int64_t rp, int nvec, int kb, int nk, float cap) {
+    for (int p = kb; p < nk; p++)
+        for (int r = 0; r < nvec * VW; r++) sc[p * rp + r] = tanhf(sc[p * rp + r] / cap) * cap;
+}
+
 /* qt [D][rp] = the task's R query rows transposed (row r = j * G + g at q + j * ldj + g * D), rows
  * R .. nvec * VW - 1 zero. */
 static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, int D, int64_t rp, float *qt) {
@@ -289,11 +317,13 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     const int Hkv = a->Hkv, G = a->Hq / Hkv, D = a->D, W = Hkv * D;
     const int n = a->q_len[b], L = a->seq_lens[b], start = L - n;
     const int i1 = i0 + QT < n ? i0 + QT : n, npos = i1 - i0, nk = start + i1, R = G * npos;
+    /* the first key any row of the task sees: its first position's window start (0: no window) */
+    const int kfirst = a->sliding > 0 && start + i0 + 1 > a->sliding ? start + i0 + 1 - a->sliding : 0;
     const int64_t rp = rows_pad(a->Hq, Hkv), lmax = a->lmax;
     const int nvec = (R + VW - 1) / VW;
     const float **kr = (const float **)scratch, **vr = kr + lmax;
     float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + lmax * D;
-    float *lim = vb + lmax * D, *inv = lim + rp, *acc = inv + 2 * rp;
+    float *lim = vb + lmax * D, *inv = lim + rp, *wlo = inv + rp, *acc = inv + 2 * rp;
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     if (have->b != b || have->h != h) *have = (HeadRows){b, h, 0};
     if (have->n < nk) {
@@ -303,30 +333,36 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     }
     /* rows r = j * G + g: position start + i0 + j, query head h * G + g; padding rows are zero */
     const int64_t first_row = ((int64_t)(a->q_start[b] + i0) * a->Hq + h * G) * D;   /* of row 0 in q and out */
-    for (int r = 0; r < rp; r++) lim[r] = r < R ? (float)(start + i0 + r / G + 1) : 1.0f;
+    for (int r = 0; r < rp; r++) {
+        const int pos = r < R ? start + i0 + r / G : kfirst;     /* padding rows see the first key */
+        lim[r] = (float)(pos + 1);
+        wlo[r] = (float)(a->sliding > 0 && pos + 1 > a->sliding ? pos + 1 - a->sliding : 0);
+    }
     transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, qt);
     const vec sv = VSET1(a->scale);
     for (int v0 = 0; v0 < nvec; v0 += RV) {
         const int nv = nvec - v0 < RV ? nvec - v0 : RV;
-        int p = 0;
+        int p = kfirst;
         for (; p + KP <= nk; p += KP) SCORE_KP[nv](qt, rp, kr, p, v0, D, sv, sc);
         for (; p < nk; p++) SCORE1[nv](qt, rp, kr, p, v0, D, sv, sc);
     }
-    softmax_rows(sc, rp, nvec, start + i0 + 1, nk, lim, inv);
+    if (a->softcap > 0.0f) cap_rows(sc, rp, nvec, kfirst, nk, a->softcap);
+    if (a->sliding > 0) softmax_rows_window(sc, rp, nvec, kfirst, nk, wlo, lim, inv);
+    else softmax_rows(sc, rp, nvec, start + i0 + 1, nk, lim, inv);
     /* keys in blocks of PB (their value rows stay in L1 while every row tile uses them); a tile's rows
      * go together over the keys its first row sees, then each row alone over the rest of its own (a
      * row never touches a key past its position, so even a non-finite value there cannot reach it) */
-    for (int p0 = 0; p0 < nk; p0 += PB) {
+    for (int p0 = kfirst; p0 < nk; p0 += PB) {
         for (int r0 = 0; r0 < R; r0 += RP) {
             const int nr = R - r0 < RP ? R - r0 : RP;
             const int common = (int)lim[r0];          /* rows in position order: the first sees least */
             for (int c0 = 0; c0 < D; c0 += DV * VW) {
                 const int nd = (D - c0) / VW < DV ? (D - c0) / VW : DV;
                 if (common > p0)
-                    VALUE[nd][nr](sc, rp, vr, p0, common < p0 + PB ? common : p0 + PB, r0, c0, acc, D, p0 == 0);
+                    VALUE[nd][nr](sc, rp, vr, p0, common < p0 + PB ? common : p0 + PB, r0, c0, acc, D, p0 == kfirst);
                 for (int r = r0; r < r0 + nr; r++) {
                     const int lo = common > p0 ? common : p0, own = (int)lim[r], hi = own < p0 + PB ? own : p0 + PB;
-                    if (hi > lo) VALUE[nd][1](sc, rp, vr, lo, hi, r, c0, acc, D, lo == 0);
+                    if (hi > lo) VALUE[nd][1](sc, rp, vr, lo, hi, r, c0, acc, D, lo == kfirst);
                 }
             }
         }
@@ -360,9 +396,11 @@ static void pool_task(void *ctx, int tid, int nth) {
 int paged_prefill(const float *q, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
                   const uint16_t *v_scale, int k_kind, int v_kind, int G, const int32_t *page_table, int max_pages,
                   const int32_t *seq_lens, const int32_t *q_start, const int32_t *q_len, float *out, int B, int Hq,
-                  int Hkv, int D, int S, float scale, float *scratch, int lmax, int nthreads) {
+                  int Hkv, int D, int S, float scale, float *scratch, int lmax, int nthreads, int sliding,
+                  float softcap) {
 #if PREFILL_SIMD
-    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < VW || D % VW || S < 1 || lmax < 1)
+    if (B < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < VW || D % VW || S < 1 || lmax < 1 || sliding < 0
+        || !(softcap >= 0.0f))
         return 1;
     for (int i = 0; i < 2; i++) {
         const int kind = i ? v_kind : k_kind;
@@ -383,14 +421,15 @@ int paged_prefill(const float *q, const void *k_cache, const void *v_cache, cons
     Range ranges[MAX_RANGES];
     for (int r = 0; r < nthreads; r++) atomic_init(&ranges[r].next, first[B] * r / nthreads);
     Args args = {q, k_cache, v_cache, k_scale, v_scale, k_kind, v_kind, G, page_table, max_pages, seq_lens,
-                 q_start, q_len, out, B, Hq, Hkv, D, S, scale, scratch, lmax, first, first[B], nthreads, ranges};
+                 q_start, q_len, out, B, Hq, Hkv, D, S, scale, scratch, lmax, sliding, softcap, first, first[B], nthreads,
+                 ranges};
     evalrun_pool_run(pool_task, &args, nthreads);
     free(first);
     return 0;
 #else
     (void)q; (void)k_cache; (void)v_cache; (void)k_scale; (void)v_scale; (void)k_kind; (void)v_kind; (void)G;
     (void)page_table; (void)max_pages; (void)seq_lens; (void)q_start; (void)q_len; (void)out; (void)B; (void)Hq;
-    (void)Hkv; (void)D; (void)S; (void)scale; (void)scratch; (void)lmax; (void)nthreads;
+    (void)Hkv; (void)D; (void)S; (void)scale; (void)scratch; (void)lmax; (void)nthreads; (void)sliding; (void)softcap;
     return 1;
 #endif
 }
