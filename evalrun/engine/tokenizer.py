@@ -25,6 +25,8 @@ import jinja2
 import tokenizers
 
 from evalrun.engine.chat_template import compile_chat_template, find_chat_template, render_chat_template
+from evalrun.engine.gguf import is_gguf
+from evalrun.engine.gguf_tokenizer import read_gguf_tokenizer
 from evalrun.engine.streaming import StreamingDecoder
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -87,11 +89,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_dir: Union[str, Path]) -> "Tokenizer":
-        """Load from a Hugging Face model directory (needs tokenizer.json).
+        """Load from a Hugging Face model directory (needs tokenizer.json), or from a .gguf file's
+        metadata (engine/gguf_tokenizer.py: the ids transformers' GGUF tokenizer gives).
 
         Raises FileNotFoundError naming the directory if tokenizer.json is missing.
         """
         model_dir = Path(model_dir)
+        if is_gguf(model_dir):         # a llama.cpp file: the tokenizer its metadata describes
+            parts = read_gguf_tokenizer(model_dir)
+            return cls(parts.backend, model_dir, parts.special_tokens, parts.bos_token_id, parts.eos_token_ids,
+                       parts.chat_template)
         path = model_dir / TOKENIZER_FILE
         if not path.is_file():
             raise FileNotFoundError(
