@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from evalrun.engine import Model
 from evalrun.engine.config import ConfigError, ModelConfig
 from evalrun.kernels.backend import TorchKernels
 from tests.engine_helpers import greedy_jobs, make_generator, run_jobs
-from tests.test_model import TINY_TOL, _prefill_forward, engine_logits, hf_logits, load_hf, max_diff, random_prompt
+from tests.test_model import TINY_TOL, _prefill_forward, engine_logits, load_hf, max_diff, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,6 +30,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
     "mistral-window": ("mistral", {"sliding_window": WINDOW}),
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    # transformers' defaults: soft-capping 50 / 30, query_pre_attn_scalar 256, alternating sliding layers
+    "gemma2": ("gemma2", {"sliding_window": WINDOW}),
+    "gemma2-caps": ("gemma2", {"sliding_window": WINDOW, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+                               "query_pre_attn_scalar": 24}),
+    "gemma3": ("gemma3", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
+                          "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
 }
 
 
@@ -40,6 +47,14 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: make_tiny_model(tmp_path_factory.mktemp(f"family-{name}"), arch, seed=21, hidden_size=128,
                                   extra_config=extra)
             for name, (arch, extra) in FAMILIES.items()}
+
+
+@torch.no_grad()
+def hf_logits(hf: torch.nn.Module, ids: list[int], positions: Optional[list[int]] = None) -> torch.Tensor:
+    """transformers' logits [len(positions), V] (default: every position) through the model's own
+    forward (Gemma's final soft-capping included)."""
+    logits = hf(torch.tensor([list(ids)])).logits[0].float()
+    return logits if positions is None else logits[list(positions)]
 
 
 @torch.no_grad()
@@ -85,7 +100,7 @@ MODE_KL = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "q8": 5e-3, "q6": 0.5, "q4"
 
 
 @pytest.mark.parametrize("mode", list(MODE_KL))
-@pytest.mark.parametrize("family", ["mistral-window", "qwen3"])
+@pytest.mark.parametrize("family", ["mistral-window", "qwen3", "gemma2-caps", "gemma3"])
 def test_every_cache_mode_runs(family_dirs, family: str, mode: str) -> None:
     """Each cache mode (quantized ones with their recent-token window) serves the windowed and the
     q/k-normed model: over prompts longer than the window, the native kernels give the torch

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 WEIGHT_STD = 0.1  # linear weights and biases inside the layers
 LOGIT_STD = 3.0  # target std of the logits: embedding / lm_head std = LOGIT_STD / sqrt(hidden)
@@ -59,7 +59,9 @@ def make_tiny_model(
     """Build a random-weight `arch` model and save it as an HF directory at `path`.
 
     arch: "llama" (LlamaForCausalLM), "mistral" (MistralForCausalLM, no sliding window)
-    "qwen2" (Qwen2ForCausalLM, with q/k/v biases) or "qwen3" (Qwen3ForCausalLM, q/k norms).
+    "qwen2" (Qwen2ForCausalLM, with q/k/v biases), "qwen3" (Qwen3ForCausalLM, q/k norms), "gemma2"
+    (Gemma2ForCausalLM) or "gemma3" (Gemma3ForCausalLM, the text model); head_dim defaults to
+    hidden_size / num_heads for every arch (Gemma's configs default to 256).
     `extra_config`: more config fields (attention_bias, mlp_bias, sliding_window, use_sliding_window,
     max_window_layers, ...), applied last; every 1-D weight (norm gains, biases) is randomised. `rope_scaling` is the HF dict, e.g.
     {"rope_type": "llama3", "factor": 8.0, ...}; transformers 5 writes it into config.json
@@ -84,8 +86,7 @@ def make_tiny_model(
         config_kwargs["rope_scaling"] = dict(rope_scaling)
     if arch == "mistral":
         config_kwargs["sliding_window"] = None
-    if head_dim is not None:
-        config_kwargs["head_dim"] = head_dim
+    config_kwargs["head_dim"] = head_dim or hidden_size // num_heads
     config_kwargs.update(extra_config or {})
     config = config_cls(**config_kwargs)
 
@@ -110,6 +111,8 @@ def _arch_classes(arch: str) -> tuple[type, type]:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")

@@ -3,7 +3,10 @@
 Supports the Llama family, each as transformers computes it: LlamaForCausalLM (llama3 rope
 scaling, tied embeddings, `attention_bias` on q, k, v and o, `mlp_bias`), MistralForCausalLM and
 Qwen2ForCausalLM (q/k/v bias) with their sliding windows, Qwen3ForCausalLM (per-head q/k RMSNorm
-before rope). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
+before rope), Gemma2ForCausalLM (four (1 + w) norms per layer, GeGLU with tanh GELU, scaled
+embeddings, attention and final-logit soft-capping, query_pre_attn_scalar, alternating sliding
+layers) and Gemma3ForCausalLM (the text model: Gemma 2's layer plus q/k norms, `layer_types`, a
+rope base of its own for the sliding layers). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
 key (`rope_parameters`) are read.
 
 Anything that would change the model's maths and is not implemented (another architecture, a
@@ -18,9 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# activations of the gated MLP: transformers' ACT2FN name -> ours
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # families refused with their reason (the name is matched as a prefix of the architecture)
 REFUSED_FAMILIES = {
     "Mixtral": "a mixture-of-experts model", "Qwen2Moe": "a mixture-of-experts model",
@@ -36,8 +43,10 @@ UNIMPLEMENTED_FIELDS = {
     "kv_lora_rank": (None, 0), "q_lora_rank": (None, 0),
     "attn_logit_softcapping": (None, 0, 0.0), "final_logit_softcapping": (None, 0, 0.0),
     "partial_rotary_factor": (None, 1, 1.0), "attention_chunk_size": (None, 0),
-    "vision_config": (None,), "pretraining_tp": (None, 1),
+    "vision_config": (None,), "pretraining_tp": (None, 1), "use_bidirectional_attention": (None, False),
 }
+# ... of which these are implemented for these architectures
+IMPLEMENTED_FIELDS = {"attn_logit_softcapping": GEMMAS, "final_logit_softcapping": GEMMAS}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -90,6 +99,22 @@ class ModelConfig:
     # positions t - W < p <= t, as transformers' sliding_window_overlay), 0 for full attention;
     # () means every layer is full
     layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"               # the gated MLP's activation: "silu" or "gelu_tanh"
+    norm_offset: bool = False              # RMSNorm weights are used as (1 + w) (Gemma)
+    sandwich_norms: bool = False           # norms on the attention and MLP outputs too (Gemma's four per layer)
+    embed_scale: float = 1.0               # embeddings times this, rounded to the model dtype (Gemma: sqrt(hidden))
+    attn_scale: Optional[float] = None     # scores' scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0              # attention soft-capping c: s -> c tanh(s / c) (0: none)
+    final_softcap: float = 0.0             # the same on the final logits
+    local_rope: Optional["RopeConfig"] = None   # the sliding layers' rope (Gemma 3), None: `rope` everywhere
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def layer_rope(self, layer: int) -> int:
+        """Which rope table layer `layer` reads: 0 `rope`, 1 `local_rope` (the sliding layers' own)."""
+        return 1 if self.local_rope is not None and self.window(layer) else 0
 
     def window(self, layer: int) -> int:
         """The sliding window of layer `layer` (0: full attention)."""
@@ -118,9 +143,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         arch = _architecture(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        gemma = arch in GEMMAS
+        act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
+            else raw.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported hidden activation {act!r}; supported: {', '.join(ACTIVATIONS)}")
         _refuse_unimplemented(raw, arch)
         heads = _req(raw, "num_attention_heads")
         hidden = _req(raw, "hidden_size")
@@ -136,15 +163,23 @@ class ModelConfig:
             intermediate_size=_req(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_seq_len=int(raw.get("max_position_embeddings", 2048)),
-            rope=_rope(raw),
+            rope=_rope(raw, "full_attention" if arch == "Gemma3ForCausalLM" else None),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             bos_token_id=_first_id(raw.get("bos_token_id")),
             eos_token_id=_first_id(raw.get("eos_token_id")),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             layer_windows=_layer_windows(raw, arch, _req(raw, "num_hidden_layers")),
+            hidden_act=ACTIVATIONS[act],
+            norm_offset=gemma,
+            sandwich_norms=gemma,
+            embed_scale=float(hidden) ** 0.5 if gemma else 1.0,
+            attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            local_rope=_rope(raw, "sliding_attention") if arch == "Gemma3ForCausalLM" else None,
         )
 
     @classmethod
@@ -189,7 +224,7 @@ def _refuse_unimplemented(raw: dict[str, Any], arch: str) -> None:
     """A config field set to a value that changes the maths in a way evalrun does not implement."""
     for name, neutral in UNIMPLEMENTED_FIELDS.items():
         value = raw.get(name)
-        if value not in neutral:
+        if value not in neutral and arch not in IMPLEMENTED_FIELDS.get(name, ()):
             raise ConfigError(f"config.json sets {name}={value!r}, which changes the model's maths and is not "
                               f"implemented for {arch}; evalrun refuses rather than compute something else")
 
@@ -198,7 +233,8 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     """Per layer sliding window (0: full attention), as transformers decides it for `arch`:
     Mistral windows every layer when `sliding_window` is set (its model ignores `layer_types`);
     Qwen2/Qwen3 window the layers `layer_types` names sliding (by default those from
-    `max_window_layers` on) when `use_sliding_window` is true; Llama has no window."""
+    `max_window_layers` on) when `use_sliding_window` is true; Gemma 2 / 3 the layers `layer_types`
+    names sliding (by default every other one / five of each six); Llama has no window."""
     window = raw.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
@@ -209,6 +245,9 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     types = raw.get("layer_types")
     if arch == "MistralForCausalLM":
         types = ["sliding_attention"] * num_layers
+    elif types is None and arch in GEMMAS:
+        every = 2 if arch == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     elif types is None:
         first = int(raw.get("max_window_layers", num_layers))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
@@ -222,11 +261,20 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     return windows if any(windows) else ()
 
 
-def _rope(raw: dict[str, Any]) -> RopeConfig:
+def _rope(raw: dict[str, Any], layer_type: Optional[str] = None) -> RopeConfig:
+    """The rope of the config; layer_type: Gemma 3's per layer type ("full_attention": the global
+    base, 1e6 by default, with `rope_scaling`; "sliding_attention": `rope_local_base_freq`, 1e4)."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
+    default_theta = 10000.0
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {}) if layer_type in params else {}
+        if layer_type == "sliding_attention":
+            scaling, default_theta = {}, float(raw.get("rope_local_base_freq", 10000.0))
+        else:
+            default_theta = float(raw.get("rope_theta") or 1_000_000.0)
     params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", default_theta if layer_type else raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
     return RopeConfig(
         theta=float(theta),

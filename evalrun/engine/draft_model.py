@@ -42,7 +42,7 @@ def truncated_model(model: Model, num_layers: int) -> Model:
     copy): a self-speculative draft that needs no second checkpoint."""
     if not isinstance(num_layers, int) or not 1 <= num_layers <= model.config.num_layers:
         raise ValueError(f"a truncated draft keeps 1 to {model.config.num_layers} layers, got {num_layers!r}")
-    cfg = dataclasses.replace(model.config, num_layers=num_layers)
+    cfg = dataclasses.replace(model.config, num_layers=num_layers, layer_windows=model.config.layer_windows[:num_layers])
     return Model(cfg, model.embed, model.layers[:num_layers], model.final_norm, model.lm_head, model.dtype,
                  model.device, model.kernels, model.deterministic)
 

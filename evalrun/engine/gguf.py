@@ -202,11 +202,14 @@ def open_gguf(path: "str | Path") -> GGUFFile:
         from gguf.constants import GGUFValueType
     except ImportError as exc:
         raise GGUFError(f"reading {path} needs the gguf package ({exc}): pip install 'evalrun[demo]'") from None
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # noqa: BLE001 - a damaged file fails the reader in many ways (ValueError, IndexError ...)
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); it may be truncated "
-                        "or corrupt: copy or download it again") from None
+        raise GGUFError(f"{path}: a damaged GGUF file, probably truncated ({type(exc).__name__}: {exc}): copy or "
+                        "download it again") from None
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if end > path.stat().st_size:
         raise GGUFError(f"{path}: truncated ({path.stat().st_size} bytes, its tensors end at byte {end}): "
@@ -300,27 +303,48 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)   # [heads, 2, D/2, *rest] flattened
 
 
-# Llama 3 rope scalings (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
-# to try against a file's rope_freqs: the ones Meta's Llama 3.1, 3.2 and 3.3 checkpoints use
-LLAMA3_ROPE_CANDIDATES = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192))
-
-
 def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
-    """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs (llama.cpp's
-    converter writes 1, `factor`, or the smooth blend per frequency, as float32), else ConfigError."""
-    stored = dequantize(file, ROPE_FREQS).double().numpy()                  # [D/2]
-    head_dim = raw["head_dim"]
-    theta = float(raw.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    for factor, low, high, old_len in LLAMA3_ROPE_CANDIDATES:
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        expected = np.where(wavelen < old_len / high, 1.0,
-                            np.where(wavelen > old_len / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
-        if stored.shape == expected.shape and np.allclose(stored, expected.astype(np.float32), rtol=1e-5, atol=0):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                    "original_max_position_embeddings": old_len}
-    raise ConfigError(f"{file.path}: its {ROPE_FREQS} matches no llama3 rope scaling evalrun knows "
-                      f"(tried factor, low, high, original context {LLAMA3_ROPE_CANDIDATES}); refusing rather "
-                      "than computing another rope")
+    """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs, else ConfigError.
 
+    llama.cpp's converter stores, per frequency of wavelength w, 1 where w < L / high, `factor` where
+    w > L / low, else 1 / ((1 - s) / factor + s) with s = (L / w - low) / (high - low), as float32.
+    (L, low, high) scaled together give the same factors, so low = 1 and the smooth band's points fix
+    L and high (a least-squares line through s = (L / w - 1) / (high - 1)); with fewer than two band
+    points, high = 4 (every Llama 3) and L lies between the classes. The fit is checked by recomputing."""
+    stored = dequantize(file, ROPE_FREQS).double().numpy()                          # [D/2]
+    head_dim, theta = raw["head_dim"], float(raw.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor = float(stored.max())
+    band = (stored > 1 + 1e-6) & (stored < factor * (1 - 1e-6))
+    if band.sum() >= 2:
+        s = (1 / stored[band] - 1 / factor) / (1 - 1 / factor)
+        # old_len / w - s * (high - 1) = 1   for each band point: solve for (old_len, high - 1)
+        (old_len, span), *_ = np.linalg.lstsq(np.stack([1 / wavelen[band], -s], axis=1), np.ones_like(s), rcond=None)
+        high = 1 + span
+    else:
+        high = 4.0
+        ones, full = wavelen[stored <= 1 + 1e-6], wavelen[stored >= factor * (1 - 1e-6)]
+        lo, hi = (ones.max() * high if ones.size else 1.0), (full.min() if full.size else 2 * lo)
+        s = (1 / stored[band] - 1 / factor) / (1 - 1 / factor)
+        old_len = float((3 * s[0] + 1) * wavelen[band][0]) if band.any() else math.sqrt(lo * hi)
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": round(high, 6),
+            "original_max_position_embeddings": _round_near(old_len)}
+    if factor > 1 and np.allclose(stored, _llama3_factors(wavelen, rope), rtol=1e-5, atol=0):
+        return rope
+    raise ConfigError(f"{file.path}: its {ROPE_FREQS} are not the factors of a llama3 rope scaling; refusing "
+                      "rather than computing another rope")
+
+
+def _llama3_factors(wavelen: np.ndarray, rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's rope_freqs for a llama3 rope_scaling (float32, as its converter writes them)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    smooth = (old_len / wavelen - low) / (high - low)
+    blend = np.where(wavelen > old_len / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    return np.where(wavelen < old_len / high, 1.0, blend).astype(np.float32)
+
+
+def _round_near(x: float) -> "int | float":
+    """x as an integer where it is one to fit precision (a context length), else x."""
+    return int(round(x)) if abs(x - round(x)) <= 1e-4 * abs(x) else float(x)

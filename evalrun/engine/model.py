@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama with its biases, Mistral, Qwen2, Qwen3; sliding windows) over a paged KV cache.
+"""Decoder-only transformers over a paged KV cache: the Llama family (Llama with its biases, Mistral,
+Qwen2, Qwen3) and Gemma 2 / 3 (their norms around each sublayer, GeGLU, soft-capping); sliding windows.
 
 One forward runs a packed batch: the new tokens of many sequences (prefill
 chunks and single decode tokens) as one [T, hidden] matrix per layer, no padding.
@@ -37,7 +38,8 @@ def plan_key(config: ModelConfig, fmt: KVFormat, page_size: int, device: "str | 
              dtype: torch.dtype, deterministic: bool = False) -> PlanKey:
     """What a model's kernel plan over one cache is resolved for (Model.kernel_plan, the manifest)."""
     return PlanKey(torch.device(device).type, dtype, fmt, page_size, config.num_heads, config.num_kv_heads,
-                   config.head_dim, config.intermediate_size, deterministic, variants=config.windowed)
+                   config.head_dim, config.intermediate_size, deterministic, variants=config.windowed or bool(config.attn_softcap),
+                   act=config.hidden_act)
 
 
 def kernel_backends(device: str, dtype: str, cache_mode: str, deterministic: bool = False,
@@ -80,9 +82,13 @@ class LayerWeights:
     post_norm: torch.Tensor        # [H]
     w_gate_up: Linear              # [2 I, H], bias [2 I] (Llama mlp_bias)
     w_down: Linear                 # [H, I], bias [H] (Llama mlp_bias)
-    q_norm: Optional[torch.Tensor] = None    # [D] RMSNorm of each q head before rope (Qwen3)
+    q_norm: Optional[torch.Tensor] = None    # [D] RMSNorm of each q head before rope (Qwen3, Gemma 3)
     k_norm: Optional[torch.Tensor] = None    # [D] ... of each k head
     sliding_window: int = 0        # the layer's sliding window (0: full attention)
+    softcap: float = 0.0           # the layer's attention soft-capping (0: none)
+    attn_out_norm: Optional[torch.Tensor] = None   # [H] norm of the attention's output before the residual add (Gemma)
+    mlp_out_norm: Optional[torch.Tensor] = None    # [H] ... of the MLP's output (Gemma)
+    rope: int = 0                  # the rope table it reads (ModelConfig.layer_rope)
 
 
 class Model:
@@ -98,9 +104,9 @@ class Model:
         self.layers = layers
         self.final_norm = final_norm           # float32: the head runs in float32
         self.lm_head = lm_head                 # [V, H] head_dtype(): float32, or bf16 on the bf16 GEMM
-        cos, sin = rope_table(rope_inv_freq(config.rope, config.head_dim), config.max_seq_len)
-        self.rope_cos = cos.to(device)
-        self.rope_sin = sin.to(device)
+        # one (cos, sin) table [max_seq_len, D] per rope of the config: `rope`, then Gemma 3's local one
+        self.rope_tables = [tuple(t.to(device) for t in rope_table(rope_inv_freq(r, config.head_dim), config.max_seq_len))
+                            for r in (config.rope, config.local_rope) if r is not None]
         self._steps: "weakref.WeakKeyDictionary[PagedCache, DecodeStep]" = weakref.WeakKeyDictionary()
         # decode steps as CUDA graphs (evalrun/engine/cuda_graphs.py), per cache; graph_capture: how a
         # bucket is recorded (None: a real CUDA graph; tests set a stand-in)
@@ -174,13 +180,15 @@ class Model:
         """forward without CUDA graphs."""
         cfg, plan = self.config, cache.kernels
         x = F.embedding(batch.input_ids, self.embed)                      # [T, H]
+        if cfg.embed_scale != 1.0:                                        # Gemma: times sqrt(H) in the weights' dtype
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if plan.stream_dtype is not None:                                 # the plan's residual stream
             x = x.to(plan.stream_dtype)
-        cos = self.rope_cos.index_select(0, batch.positions).to(x.dtype)  # [T, D]
-        sin = self.rope_sin.index_select(0, batch.positions).to(x.dtype)
+        ropes = [tuple(t.index_select(0, batch.positions).to(x.dtype) for t in table)   # [T, D] each
+                 for table in self.rope_tables]
         step = self._decode_step(cache)
         if step is not None and step.applies(batch.attn, x.shape[0]):
-            x = step.run(x, cos, sin, batch.slot_mapping, batch.attn)         # every layer, one native call
+            x = step.run(x, ropes, batch.slot_mapping, batch.attn)            # every layer, one native call
         else:
             rows, last = batch.logits_indices, len(self.layers) - 1
             # the last layer's keys and values are needed at every position, but its output only
@@ -193,9 +201,11 @@ class Model:
             prune = rows.shape[0] < x.shape[0]
             for i, layer in enumerate(self.layers):
                 keep = rows if prune and i == last else None
-                x = self._attention(i, layer, x, cos, sin, batch, cache, keep)   # x + attention
+                x = self._attention(i, layer, x, *ropes[layer.rope], batch, cache, keep)   # x + attention
                 h = plan.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-                x = linear(plan.gate_up_silu(h, layer.w_gate_up), layer.w_down, residual=x)
+                act = plan.gate_up_gelu(h, layer.w_gate_up) if cfg.hidden_act == "gelu_tanh" else \
+                    plan.gate_up_silu(h, layer.w_gate_up)
+                x = self._add_output(x, act, layer.w_down, layer.mlp_out_norm, plan)
             if prune:
                 return self._head(x, None, plan)
         return self._head(x, batch.logits_indices, plan)
@@ -204,7 +214,16 @@ class Model:
         """The final norm and the LM head at `rows` of x (None: every row): float32 logits [N, V]."""
         h = (x if rows is None else x.index_select(0, rows)).float()      # [N, H]
         h = plan.head_norm(h, self.final_norm, self.config.rms_norm_eps)
-        return linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap).mul_(cap) if cap else logits
+
+    def _add_output(self, x: torch.Tensor, h: torch.Tensor, w: Linear, out_norm: Optional[torch.Tensor],
+                    plan: KernelPlan) -> torch.Tensor:
+        """x + h @ w^T: the residual add fused into the projection, or (Gemma) x + norm(h @ w^T)."""
+        if out_norm is None:
+            return linear(h, w, residual=x)
+        return x + plan.rms_norm(linear(h, w), out_norm, self.config.rms_norm_eps)
 
     def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
         """The native decode step for this cache (kernels/cpu/decode_step.py), or None where its plan
@@ -216,12 +235,14 @@ class Model:
             return step
         cfg = self.config
         parts = [LayerParts(ly.input_norm, ly.post_norm, ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, cache.layer(i),
-                            ly.sliding_window, 0.0, ly.q_norm, ly.k_norm) for i, ly in enumerate(self.layers)]
+                            ly.sliding_window, ly.softcap, ly.q_norm, ly.k_norm, ly.attn_out_norm, ly.mlp_out_norm,
+                            ly.rope) for i, ly in enumerate(self.layers)]
         dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
         if not DecodeStep.supports(parts, self.dtype, self.device, *dims):
             raise ValueError("the kernel plan runs the native decode step, but this model's weights or this "
                              "cache's pages are not laid out as it reads them")
-        step = self._steps[cache] = DecodeStep(parts, *dims, cfg.rms_norm_eps)
+        step = self._steps[cache] = DecodeStep(parts, *dims, cfg.rms_norm_eps, cfg.scale, cfg.hidden_act,
+                                               len(self.rope_tables))
         return step
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
@@ -238,11 +259,11 @@ class Model:
             qkv = self._qk_norm(qkv, layer, plan)
         kv = cache.layer(i)
         q, k, v = plan.rope_write_kv(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads, kv, batch.slot_mapping)
-        o = plan.attention(q, kv, batch.attn, cfg.head_dim ** -0.5, k, v, layer.sliding_window)  # [T, Hq, D]
+        o = plan.attention(q, kv, batch.attn, cfg.scale, k, v, layer.sliding_window, layer.softcap)  # [T, Hq, D]
         o = o.reshape(t, cfg.num_heads * cfg.head_dim)
         if keep is not None:
             o, x = o.index_select(0, keep), x.index_select(0, keep)
-        return linear(o, layer.wo, residual=x)
+        return self._add_output(x, o, layer.wo, layer.attn_out_norm, plan)
 
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, plan: KernelPlan) -> torch.Tensor:
@@ -265,6 +286,11 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
 
     q_rows, kv_rows, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
 
+    def norm(name: str, size: int, norm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """An RMSNorm weight; Gemma's (1 + w), computed in float32 then stored in the norm's dtype."""
+        w = r.get(name, (size,), dtype=torch.float32 if cfg.norm_offset else norm_dtype)
+        return (1.0 + w).to(norm_dtype or dtype) if cfg.norm_offset else w
+
     def biases(prefix: str, names: tuple[str, ...], sizes: tuple[int, ...], present: bool) -> Optional[torch.Tensor]:
         """The named projections' biases, concatenated (None where the config has none)."""
         if not present:
@@ -280,21 +306,26 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
         bqkv = biases(p + "self_attn.", ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), cfg.qkv_bias)
         gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (inter, h)),
                              r.get(p + "mlp.up_proj.weight", (inter, h))])
-        qk_norms = ((r.get(p + "self_attn.q_norm.weight", (d,)), r.get(p + "self_attn.k_norm.weight", (d,)))
+        qk_norms = ((norm(p + "self_attn.q_norm.weight", d), norm(p + "self_attn.k_norm.weight", d))
                     if cfg.qk_norm else (None, None))
+        # Gemma: post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP's input's
+        sandwich = cfg.sandwich_norms
         layers.append(LayerWeights(
-            input_norm=r.get(p + "input_layernorm.weight", (h,)),
+            input_norm=norm(p + "input_layernorm.weight", h),
             wqkv=make_linear(wqkv, bqkv),
             wo=make_linear(r.get(p + "self_attn.o_proj.weight", (h, q_rows)),
                            biases(p + "self_attn.", ("o_proj",), (h,), cfg.o_bias)),
-            post_norm=r.get(p + "post_attention_layernorm.weight", (h,)),
+            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"), h),
             w_gate_up=make_linear(gate_up, biases(p + "mlp.", ("gate_proj", "up_proj"), (inter, inter), cfg.mlp_bias)),
             w_down=make_linear(r.get(p + "mlp.down_proj.weight", (h, inter)),
                                biases(p + "mlp.", ("down_proj",), (h,), cfg.mlp_bias)),
-            q_norm=qk_norms[0], k_norm=qk_norms[1], sliding_window=cfg.window(i),
+            q_norm=qk_norms[0], k_norm=qk_norms[1], sliding_window=cfg.window(i), softcap=cfg.attn_softcap,
+            attn_out_norm=norm(p + "post_attention_layernorm.weight", h) if sandwich else None,
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", h) if sandwich else None,
+            rope=cfg.layer_rope(i),
         ))
     embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     lm_head = r.get(head_name, (cfg.vocab_size, h), dtype=head_dtype(device, dtype, deterministic))
-    final_norm = r.get("model.norm.weight", (h,), dtype=torch.float32)
+    final_norm = norm("model.norm.weight", h, torch.float32)
     return Model(cfg, embed, layers, final_norm, make_linear(lm_head), dtype, device, kernels, deterministic)

@@ -17,6 +17,7 @@ the plan's ops with no check and no fallback; `KernelPlan.names` is what the run
     rope_write_kv(qkv, cos, sin, hq, hkv, layer, slots)      -> q, k, v (k, v None where unused)
     rms_norm(x, w, eps) / head_norm(h, w, eps)               layer rows (model dtype) / the head's float32 rows
     gate_up_silu(h, gate_up) -> [T, I]                       silu(gate) * up of the fused projection
+    gate_up_gelu(h, gate_up) -> [T, I]                       gelu_tanh(gate) * up (GeGLU: Gemma)
 
 Backends: `TorchKernels` (the references, CPU and CUDA); `NativeCpuKernels` (kernels/cpu: the C
 kernels where the plan's key fits them); `TritonKernels` (kernels/cuda, CUDA or Triton's
@@ -41,7 +42,7 @@ from .kv_format import KVFormat, LayerKV
 from .linear import Linear, linear, linear_backend
 from .ref.attention import attend
 from .ref.cache_ops import copy_page_prefix_torch, write_kv_torch
-from .ref.fused import rms_norm_reference, rope_write_reference, silu_mul_reference
+from .ref.fused import gelu_tanh_mul_reference, rms_norm_reference, rope_write_reference, silu_mul_reference
 from .ref.kv_quant import rotate
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class PlanKey:
     # made by hand that does not fit (for_layer), which every backend's plan sends to the reference
     standard_layout: bool = True
     variants: bool = False       # some layer has a sliding window or soft-capping (the plan names their kernels)
+    act: str = "silu"            # the gated MLP's activation: "silu" or "gelu_tanh" (the plan names its kernel)
 
     @classmethod
     def for_layer(cls, q: torch.Tensor, layer: LayerKV, deterministic: bool = False) -> "PlanKey":
@@ -98,6 +100,7 @@ class KernelPlan:
     # model on the bf16 GEMM keeps it float32: weights and pages are bf16, each GEMM rounds its rows
     # to bf16 and accumulates in float32, and the element-wise ops run on the float32 rows
     stream_dtype: Optional[torch.dtype] = None
+    gate_up_gelu: Optional[Callable[[torch.Tensor, Linear], torch.Tensor]] = None
 
     def describe(self) -> dict[str, str]:
         """What runs each op (recorded in run manifests)."""
@@ -189,9 +192,11 @@ class TorchKernels:
                  "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
                  "decode_step": "off", "cuda_graphs": "off", "stream": str(key.dtype).removeprefix("torch.")}
         _variant_names(key, names, "torch", "torch-sdpa")
+        if key.act == "gelu_tanh":
+            names["gate_up_gelu"] = "torch"
         return KernelPlan(self.name, write_kv_torch, copy_page_prefix_torch, _attention(), _rope_write(write_kv_torch),
                           rms_norm_reference, rms_norm_reference, _gate_up_silu(silu_mul_reference), False, False,
-                          names)
+                          names, gate_up_gelu=_gate_up_silu(gelu_tanh_mul_reference))
 
     # one op on one layer, through the plan of its key (tests and benchmarks; the engine calls its plan)
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
@@ -247,6 +252,9 @@ class NativeCpuKernels(TorchKernels):
         gate_up, names["gate_up_silu"] = _gate_up_silu(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
         if fused_ok and f32 and key.linear == "native-gemm" and gemm.silu_fusable(key.intermediate_size):
             gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
+        gelu = _gate_up_silu(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference)
+        if key.act == "gelu_tanh":
+            names["gate_up_gelu"] = "native-c gelu_tanh" if fused_ok and f32 else "torch"
         names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
         names["head_norm"] = "native-c" if fused_ok else "torch"
         step = (fused_ok and f32 and key.linear in ("native-gemm", "native-bf16") and float_pages
@@ -254,7 +262,7 @@ class NativeCpuKernels(TorchKernels):
         names["decode_step"] = "native-c" if step else "off"
         names["stream"] = "float32" if bf16_gemm else names["stream"]
         return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill, decode, prefill), rope,
-                          norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None)
+                          norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None, gelu)
 
 
 class TritonKernels(TorchKernels):
@@ -289,7 +297,7 @@ class TritonKernels(TorchKernels):
         names["cuda_graphs"] = "on" if graphs else "off"
         return KernelPlan(self.name, write, copy_page_prefix_torch, attention, _rope_write(write),
                           triton_linear.rms_norm_triton, triton_linear.rms_norm_triton, ref.gate_up_silu, False,
-                          graphs, names)
+                          graphs, names, gate_up_gelu=ref.gate_up_gelu)
 
 
 def _triton_attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,

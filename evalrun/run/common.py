@@ -13,8 +13,10 @@ from evalrun.demo import DEMO_MODEL_NAME, ensure_demo_model
 from evalrun.engine import DynamicGenerator, Model, PagedCache, Tokenizer
 from evalrun.engine.cache import plan_cache, resolve_format
 from evalrun.engine.config import ModelConfig
+from evalrun.engine.gguf import is_gguf, open_gguf
 from evalrun.errors import BadInput
 from evalrun.results import environment_info, inspect_run, throughput
+from evalrun.results.checksums import sha256_file
 from evalrun.results.manifest import utc_now
 from evalrun.engine.model import kernel_backends
 from evalrun.run.engine_config import EngineConfig
@@ -28,19 +30,24 @@ def stored_run(out_dir: Path, overwrite: bool) -> Optional[dict[str, Any]]:
 
 
 def model_name(model: Optional[str]) -> str:
-    """The model's directory name, without converting the demo model."""
+    """The model's directory name (a GGUF file's name without .gguf), without converting the demo model."""
     if model is None:
         return DEMO_MODEL_NAME
-    return Path(model).name
+    return Path(model).stem if is_gguf(model) else Path(model).name
 
 
 def resolve_model_dir(model: Optional[str]) -> Path:
-    """--model, or the embedded demo model when omitted."""
+    """--model (a Hugging Face model directory or a .gguf file), or the embedded demo model when omitted."""
     if model is None:
         return ensure_demo_model()
     path = Path(model)
+    if is_gguf(path):
+        if not path.is_file():
+            raise BadInput(f"GGUF file not found: {model}")
+        return path
     if not path.is_dir():
-        raise BadInput(f"model directory not found: {model}")
+        raise BadInput(f"model directory not found: {model}" + (" (a model file must end in .gguf)"
+                                                                if path.is_file() else ""))
     if not (path / "config.json").is_file():
         raise BadInput(f"{path} has no config.json: not a Hugging Face model directory")
     return path
@@ -93,12 +100,11 @@ def base_manifest(seed: int, argv: Sequence[str], task: str, identity: dict[str,
     }
 
 
-def cache_plan(cfg: EngineConfig, model_dir: Path) -> dict[str, Any]:
-    """The KV cache these settings build for this model, from its config.json alone (no weights):
+def cache_plan(cfg: EngineConfig, config: ModelConfig) -> dict[str, Any]:
+    """The KV cache these settings build for this model, from its config alone (no weights):
     checks that the mode can store the model's heads and that the memory holds a page
     (BadInput otherwise), before anything is loaded."""
     try:
-        config = ModelConfig.load(model_dir)
         plan = plan_cache(config, cfg.cache_mode, cfg.page_size, cfg.cache_tokens, cfg.cache_memory,
                           cfg.max_batch_size, cfg.cache_window)
     except ValueError as exc:
@@ -122,13 +128,27 @@ def _physical_memory() -> Optional[int]:
 
 
 def model_manifest(cfg: EngineConfig, fp: dict, model_dir: Path) -> dict[str, Any]:
-    return {"model": {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}},
+    """The manifest's model and engine entries (a GGUF file adds model["gguf"]: read_model)."""
+    config, gguf = read_model(model_dir)
+    model = {"path": str(Path(model_dir).resolve()), **{k: v for k, v in fp.items() if k != "path"}}
+    return {"model": {**model, "gguf": gguf} if gguf else model,
             "dtype": cfg.dtype, "device": cfg.device, "cache_mode": cfg.cache_mode,
-            "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, model_dir),
+            "engine_choices": cfg.choices_record(), "page_size": cfg.page_size, **cache_plan(cfg, config),
             "speculative": cfg.speculative_record(),
             "deterministic": cfg.deterministic, "cuda_graphs": cfg.cuda_graphs,
             "kernels": kernel_backends(cfg.device, cfg.dtype, cfg.cache_mode, cfg.deterministic,
-                                       ModelConfig.load(model_dir), cfg.page_size, cfg.cache_window)}
+                                       config, cfg.page_size, cfg.cache_window)}
+
+
+def read_model(model_dir: Path) -> tuple[ModelConfig, Optional[dict[str, Any]]]:
+    """The model's config (checked: every refusal of engine/config.py, before weights are read) and,
+    for a GGUF file, what the manifest records of it: its sha256 (the whole file, hashed once here),
+    size, architecture, `general.file_type` and tensor count per quantization type."""
+    if not is_gguf(model_dir):
+        return ModelConfig.load(model_dir), None
+    file = open_gguf(model_dir)
+    config = file.model_config()
+    return config, {**file.describe(), "sha256": sha256_file(model_dir), "bytes": model_dir.stat().st_size}
 
 
 def clean(obj: Any) -> Any:

@@ -30,7 +30,9 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("input_norm", "post_norm", "wqkv", "bqkv", "wo", "w_gate_up", "w_down", "k_pages", "v_pages",
                  "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int), ("softcap", ctypes.c_float),
-                                                  ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+                                                  ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                                                  ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                                                  ("rope", ctypes.c_int)]
 
 
 class _Threads(ctypes.Structure):
@@ -41,7 +43,9 @@ class _Model(ctypes.Structure):
     _fields_ = [("L", ctypes.c_int), ("H", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int),
                 ("D", ctypes.c_int), ("I", ctypes.c_int), ("S", ctypes.c_int), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("n_slots", ctypes.c_int64), ("layers", ctypes.POINTER(_Layer)),
-                ("weight_kind", ctypes.c_int), ("page_kind", ctypes.c_int)]
+                ("weight_kind", ctypes.c_int), ("page_kind", ctypes.c_int), ("act", ctypes.c_int),
+                ("n_ropes", ctypes.c_int)]
+ACTS = {"silu": 0, "gelu_tanh": 1}                               # the gated MLP's activation
 WEIGHT_KINDS = {"native-gemm": 0, "native-bf16": 1}              # the Linear's kernel_name -> its panels'
 WEIGHT_DTYPES = {torch.float32: "native-gemm", torch.bfloat16: "native-bf16"}   # model dtype -> its linears'
 PAGE_KINDS = paged_decode._FLOAT_KINDS                           # float32 0, bfloat16 1, float16 2
@@ -97,6 +101,9 @@ class LayerParts:
     softcap: float = 0.0               # the layer's attention soft-capping (0: none)
     q_norm: Optional[torch.Tensor] = None    # [D] per-head q/k RMSNorm weights (Qwen3), or None
     k_norm: Optional[torch.Tensor] = None
+    attn_out_norm: Optional[torch.Tensor] = None   # [H] norms of the attention's and the MLP's outputs (Gemma)
+    mlp_out_norm: Optional[torch.Tensor] = None
+    rope: int = 0                      # which of the model's rope tables the layer reads
 
 
 class DecodeStep:
@@ -104,7 +111,8 @@ class DecodeStep:
     as the weights and pages live, which this object keeps referenced)."""
 
     def __init__(self, parts: Sequence[LayerParts], hidden: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, intermediate: int, eps: float):
+                 head_dim: int, intermediate: int, eps: float, scale: Optional[float] = None, act: str = "silu",
+                 n_ropes: int = 1):
         lib = _lib()
         if lib is None:
             raise RuntimeError("the native decode step is not available (see kernels.native)")
@@ -113,27 +121,31 @@ class DecodeStep:
         norms = [(p.input_norm.float().contiguous(), p.post_norm.float().contiguous()) for p in self._parts]
         head_norms = [(None, None) if p.q_norm is None else (p.q_norm.float().contiguous(), p.k_norm.float().contiguous())
                       for p in self._parts]
+        out_norms = [tuple(None if t is None else t.float().contiguous() for t in (p.attn_out_norm, p.mlp_out_norm))
+                     for p in self._parts]
         biases = [[None if lin.bias is None else lin.bias.float().contiguous()
                    for lin in (p.wqkv, p.wo, p.w_gate_up, p.w_down)] for p in self._parts]
         # the tensors themselves (not only their containers) stay referenced while the C code holds
         # their addresses; pages_match compares the pages by address and shape
-        self._keep = [t for p, n, b, hn in zip(self._parts, norms, biases, head_norms)
-                      for t in (*n, *b, *hn, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
+        self._keep = [t for p, n, b, hn, on in zip(self._parts, norms, biases, head_norms, out_norms)
+                      for t in (*n, *b, *hn, *on, p.wqkv.panels, p.wo.panels, p.w_gate_up.panels, p.w_down.panels,
                                 p.kv.k, p.kv.v) if t is not None]
         self._pages = [(p.kv.k.data_ptr(), p.kv.v.data_ptr(), tuple(p.kv.k.shape)) for p in self._parts]
         page_size = self._parts[0].kv.k.shape[1]
         self._layers = (_Layer * len(self._parts))()
         ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
-        for i, (p, (n_in, n_post), (bqkv, bo, bgu, bd), (qn, kn)) in enumerate(zip(self._parts, norms, biases,
-                                                                                   head_norms)):
+        for i, (p, (n_in, n_post), (bqkv, bo, bgu, bd), (qn, kn), (an, mn)) in enumerate(
+                zip(self._parts, norms, biases, head_norms, out_norms)):
             self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(), ptr(bqkv),
                                      p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
                                      p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr(),
-                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window, p.softcap, ptr(qn), ptr(kn))
+                                     ptr(bo), ptr(bgu), ptr(bd), p.sliding_window, p.softcap, ptr(qn), ptr(kn),
+                                     ptr(an), ptr(mn), p.rope)
         first = self._parts[0]
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
-                             eps, head_dim ** -0.5, first.kv.k.shape[0] * page_size, self._layers,
-                             WEIGHT_KINDS[first.wqkv.kernel_name], PAGE_KINDS[first.kv.k.dtype])
+                             eps, head_dim ** -0.5 if scale is None else scale, first.kv.k.shape[0] * page_size,
+                             self._layers, WEIGHT_KINDS[first.wqkv.kernel_name], PAGE_KINDS[first.kv.k.dtype],
+                             ACTS[act], n_ropes)
 
     @staticmethod
     def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device, hidden: int,
@@ -159,6 +171,8 @@ class DecodeStep:
             if (p.q_norm is None) != (p.k_norm is None) or any(
                     t is not None and tuple(t.shape) != (head_dim,) for t in (p.q_norm, p.k_norm)):
                 return False
+            if any(t is not None and tuple(t.shape) != (hidden,) for t in (p.attn_out_norm, p.mlp_out_norm)):
+                return False
             if not all(t.dtype == dtype and t.shape == (hidden,) for t in (p.input_norm, p.post_norm)):
                 return False
             kv = p.kv
@@ -182,13 +196,17 @@ class DecodeStep:
         """Every row is the one new token of its sequence."""
         return rows > 0 and meta.num_decode == rows and not meta.prefill and not meta.window
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+    def run(self, x: torch.Tensor, ropes: Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, H] float32 (contiguous: updated in place) -> x after every layer."""
+        """x [T, H] float32 (contiguous: updated in place) -> x after every layer; ropes: the
+        model's (cos, sin) [T, D] float32 at the tokens' positions, one pair per rope table."""
         t = x.shape[0]
         if not (x.is_contiguous() and x.dtype == torch.float32):
             raise ValueError(f"the native decode step takes contiguous float32 rows, got {x.dtype}")
-        cos, sin = cos.contiguous(), sin.contiguous()
+        if len(ropes) != self._model.n_ropes:
+            raise ValueError(f"the native decode step reads {self._model.n_ropes} rope tables, got {len(ropes)}")
+        cos = torch.stack([c for c, _ in ropes]).contiguous()
+        sin = torch.stack([s for _, s in ropes]).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
         table = meta.page_table.to(torch.int32).contiguous()
         lens = meta.seq_lens_k.to(torch.int32).contiguous()

@@ -30,6 +30,7 @@ _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {
     "rms_norm_f32": (_I32, [_P, _P, _P, _I32, _I32, ctypes.c_float, _I32]),
     "silu_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
+    "gelu_tanh_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
     "argmax_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
     "finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
     "argmax_finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _P, _I32]),
@@ -83,15 +84,24 @@ def rms_norm_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gated("silu_mul", gate_up)
+
+
+def gelu_tanh_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up (GeGLU), as gelu_tanh_mul_reference."""
+    return _gated("gelu_tanh_mul", gate_up)
+
+
+def _gated(op: str, gate_up: torch.Tensor) -> torch.Tensor:
     lib = _ready()
     if lib is None or not supported(gate_up) or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_mul_native takes float32 CPU rows [T, 2I], got {tuple(gate_up.shape)} "
+        raise ValueError(f"{op}_native takes float32 CPU rows [T, 2I], got {tuple(gate_up.shape)} "
                          f"{gate_up.dtype} {gate_up.device}")
     gate_up = gate_up.contiguous()
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, i, dtype=torch.float32)
-    if lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, i, num_threads(t * i, t)) != 0:
-        raise ValueError(f"silu_mul_native cannot take shape {tuple(gate_up.shape)}")
+    if getattr(lib, f"{op}_f32")(gate_up.data_ptr(), out.data_ptr(), t, i, num_threads(t * i, t)) != 0:
+        raise ValueError(f"{op}_native cannot take shape {tuple(gate_up.shape)}")
     return out
 
 

@@ -324,6 +324,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, len
                 keep = keep & (pos[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(keep, _cap(s, cap_log2, SOFTCAP), float("-inf"))           # [M, N]
             m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, NATIVE, EMULATE, SLIDING)
+        if SLIDING:                # padding rows past the context may have seen no key (not stored)
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_i[:, None]
         tl.store(out_ptr + tok[:, None] * out_stride_t + h * out_stride_h + col[None, :],
                  cast(o, out_ptr.dtype.element_ty, EMULATE), mask=rmask[:, None] & dmask[None, :])

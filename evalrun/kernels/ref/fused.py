@@ -3,6 +3,7 @@ argmax / finiteness of logits. The native versions (kernels/cpu/fused.py) are ch
 
     x        [T, H]    rows                   rms_norm_reference(x, w, eps) -> [T, H]
     gate_up  [T, 2I]   [gate | up] per row    silu_mul_reference(gate_up)   -> [T, I]
+                                              gelu_tanh_mul_reference(gate_up) -> [T, I] (GeGLU)
     qkv      [T, (Hq + 2 Hkv) D]              rope_write_reference -> q, k, v [T, H, D]
 """
 from __future__ import annotations
@@ -44,6 +45,11 @@ def rope_write_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def argmax_reference(logits: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,11 @@
  *   q   = rope(q); k = rope(k), v -> the layer's pages  fused_ops.c (rope_write_f32)
  *   o   = paged decode attention(q, pages)              paged_decode.c
  *   x   = x + o @ Wo^T                                  gemm.c (residual in the epilogue)
+ *         (Gemma: x = x + rms_norm(o @ Wo^T, attn_out_norm))
  *   h   = rms_norm(x, post_norm)
- *   a   = silu(h @ Wg^T) * (h @ Wu^T)                   gemm.c, fused_ops.c (silu_mul_f32)
- *   x   = x + a @ Wd^T
+ *   a   = silu(h @ Wg^T) * (h @ Wu^T)                   gemm.c, fused_ops.c (silu_mul_f32; Gemma:
+ *                                                       gelu_tanh_mul_f32)
+ *   x   = x + a @ Wd^T                                  (Gemma: x + rms_norm(a @ Wd^T, mlp_out_norm))
  *
  * These are the very functions the per-op path calls from Python (this file includes their
  * sources), in the same order on the same data, so the step's output is bitwise the same as
@@ -27,7 +29,8 @@
  *                 sliding window (0: full attention; paged_decode.c), soft-capping (0: none)
  *                 and q/k norm weights [D] (NULL: none; each q and k head RMS-normed before rope)
  *   x             [T, H] in/out
- *   cos, sin      [T, D] at each token's position
+ *   cos, sin      [R, T, D] at each token's position, one table per rope of the model (a layer
+ *                 reads table DecodeLayer.rope: Gemma 3's sliding layers have a rope of their own)
  *   slots         [T] int64 flat cache slot of each new token (page * S + offset)
  *   page_table    [T, max_pages] int32, seq_lens [T] int32 (the new token included)
  *   work          float32 scratch of decode_step_work_floats(...) floats
@@ -52,6 +55,8 @@ typedef struct {
     int sliding;
     float softcap;                                           /* attention soft-capping, 0: none */
     const float *q_norm, *k_norm;                            /* [D] per-head q/k RMSNorm (Qwen3), or NULL */
+    const float *attn_out_norm, *mlp_out_norm;               /* [H] norms of the sublayers' outputs (Gemma), or NULL */
+    int rope;                                                /* which cos/sin table */
 } DecodeLayer;
 
 /* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
@@ -67,6 +72,8 @@ typedef struct {
     const DecodeLayer *layers;
     int weight_kind;                /* 0: float32 panels (gemm.c), 1: bf16 panels (gemm_bf16.c) */
     int page_kind;                  /* KIND_F32, KIND_BF16 or KIND_F16 */
+    int act;                        /* the gated MLP's activation: 0 SiLU, 1 tanh GELU */
+    int n_ropes;                    /* cos/sin tables */
 } DecodeModel;
 
 /* y = residual + x @ W^T (+ bias) on the layer's GEMM (float32 rows in and out) */
@@ -119,7 +126,8 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     const int nthreads = th->gemm, norm_threads = th->norm, act_threads = th->act, attn_threads = th->attn;
     float *h = work, *qkv = h + (int64_t)T * H, *q = qkv + (int64_t)T * Q, *o = q + (int64_t)T * Hq * D;
     float *gu = o + (int64_t)T * Hq * D, *act = gu + (int64_t)T * 2 * I, *scratch = act + (int64_t)T * I;
-    const int prof = profile_on, fuse_silu_ok = m->weight_kind == 0 && gemm_silu_supported(T, I);
+    const int prof = profile_on, fuse_silu_ok = m->weight_kind == 0 && m->act == 0 && gemm_silu_supported(T, I);
+    const int64_t TH = (int64_t)T * H;
     const int kind = m->page_kind;
     double t0 = prof ? now_s() : 0.0;
 #define STAGE(i, call)                                                                            \
@@ -142,20 +150,34 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
             }
             STAGE(0, rc)
         }
-        STAGE(2, rope_write_kind(qkv, Q, cos, sin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, kind,
+        if (ly->rope < 0 || ly->rope >= m->n_ropes) return l + 1;
+        const float *lcos = cos + ly->rope * (int64_t)T * D, *lsin = sin + ly->rope * (int64_t)T * D;
+        STAGE(2, rope_write_kind(qkv, Q, lcos, lsin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, kind,
                                  q))
         STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,
                               seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
                               0, 0, ly->sliding, ly->softcap))
-        STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, x, x, nthreads))
+        if (ly->attn_out_norm) {     /* x + norm(o Wo^T): the projection into h, normed, added */
+            STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, 0, h, nthreads))
+            STAGE(0, rms_norm_f32(h, ly->attn_out_norm, h, T, H, m->eps, norm_threads))
+            for (int64_t i = 0; i < TH; i++) x[i] = x[i] + h[i];
+        } else {
+            STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, x, x, nthreads))
+        }
         STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
         if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
             STAGE(5, gemm_silu_f32(h, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
         } else {
             STAGE(5, step_gemm(m, h, T, H, ly->w_gate_up, 2 * I, ly->b_gate_up, 0, gu, nthreads))
-            STAGE(6, silu_mul_f32(gu, act, T, I, act_threads))
+            STAGE(6, m->act ? gelu_tanh_mul_f32(gu, act, T, I, act_threads) : silu_mul_f32(gu, act, T, I, act_threads))
         }
-        STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, ly->b_down, x, x, nthreads))
+        if (ly->mlp_out_norm) {
+            STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, ly->b_down, 0, h, nthreads))
+            STAGE(0, rms_norm_f32(h, ly->mlp_out_norm, h, T, H, m->eps, norm_threads))
+            for (int64_t i = 0; i < TH; i++) x[i] = x[i] + h[i];
+        } else {
+            STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, ly->b_down, x, x, nthreads))
+        }
     }
 #undef STAGE
     return 0;

@@ -2,6 +2,7 @@
  *
  *   rms_norm(x [T, H], w [H]) -> out [T, H]      out = x / sqrt(mean(x^2) + eps) * w
  *   silu_mul(gu [T, 2I])      -> out [T, I]      out = silu(gu[:, :I]) * gu[:, I:]
+ *   gelu_tanh_mul(gu [T, 2I]) -> out [T, I]      out = gelu_tanh(gu[:, :I]) * gu[:, I:] (GeGLU, Gemma)
  *   rope_write(qkv [T, (Hq + 2 Hkv) D])          q rotated -> [T, Hq, D] float32; k rotated and v
  *                                                -> float32, bfloat16 or float16 pages
  *   argmax_rows(x [T, V])     -> out [T] int64   torch.argmax(x, dim=-1) (greedy sampling)
@@ -10,7 +11,7 @@
  * Every row is computed alone, in a fixed order, by whichever thread claims it: a row's result
  * never depends on how many rows share the call (batch invariance). Rows are split over up to
  * `nthreads` threads of the shared pool (pool.h). The torch references are evalrun/kernels/ref/fused.py's
- * rms_norm_reference, silu_mul_reference, rope_write_reference and argmax_reference.
+ * rms_norm_reference, silu_mul_reference, gelu_tanh_mul_reference, rope_write_reference and argmax_reference.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -26,7 +27,7 @@
 #define ROWS_PER_TASK 8
 
 typedef struct {
-    int op;                        /* 0 rms_norm, 1 silu_mul */
+    int op;                        /* 0 rms_norm, 1 silu_mul, 2 gelu_tanh_mul */
     const float *x, *w;
     float *out;
     int T, H;                      /* rows, columns of the output */
@@ -76,6 +77,35 @@ static void silu_mul_row(const float *gu, float *out, int I) {
     }
 }
 
+/* gelu_tanh(g) * u = 0.5 g (1 + tanh(z)) u, z = sqrt(2 / pi) (g + 0.044715 g^3) (torch's
+ * approximate="tanh"); tanh(z) = sign(z) (1 - e) / (1 + e) with e = exp(-2 |z|) (never overflows). */
+#define GELU_K 0.7978845608028654f
+#define GELU_C 0.044715f
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 gelu_tanh_mul8(__m256 g, __m256 u) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(GELU_K),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_C), g), _mm256_mul_ps(g, g), g));
+    const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, z)));
+    const __m256 t = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), _mm256_and_ps(sign, z));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, t)), u);
+}
+#endif
+
+static void gelu_tanh_mul_row(const float *gu, float *out, int I) {
+    const float *g = gu, *u = gu + I;
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= I; j += 8)
+        _mm256_storeu_ps(out + j, gelu_tanh_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+#endif
+    for (; j < I; j++) {
+        const float z = GELU_K * fmaf(GELU_C * g[j], g[j] * g[j], g[j]);
+        const float e = expf(-2.0f * fabsf(z)), t = copysignf((1.0f - e) / (1.0f + e), z);
+        out[j] = 0.5f * g[j] * (1.0f + t) * u[j];
+    }
+}
+
 static void fused_worker(void *p, int tid, int nth) {
     (void)tid;
     (void)nth;
@@ -85,8 +115,10 @@ static void fused_worker(void *p, int tid, int nth) {
         for (int r = r0; r < r1; r++) {
             if (t->op == 0)
                 rms_row(t->x + (int64_t)r * t->H, t->w, t->out + (int64_t)r * t->H, t->H, t->eps);
-            else
+            else if (t->op == 1)
                 silu_mul_row(t->x + (int64_t)r * 2 * t->H, t->out + (int64_t)r * t->H, t->H);
+            else
+                gelu_tanh_mul_row(t->x + (int64_t)r * 2 * t->H, t->out + (int64_t)r * t->H, t->H);
         }
     }
 }
@@ -107,6 +139,10 @@ int rms_norm_f32(const float *x, const float *w, float *out, int T, int H, float
 
 int silu_mul_f32(const float *gate_up, float *out, int T, int I, int nthreads) {
     return run(1, gate_up, 0, out, T, I, 0.0f, nthreads);
+}
+
+int gelu_tanh_mul_f32(const float *gate_up, float *out, int T, int I, int nthreads) {
+    return run(2, gate_up, 0, out, T, I, 0.0f, nthreads);
 }
 
 /* One float32 value rounded to bfloat16 / float16, to nearest even as torch's .to(dtype): overflow
