@@ -91,7 +91,9 @@ def _show_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct demo)")
+    p.add_argument("--model", help="Hugging Face model directory, or a llama.cpp .gguf file (llama, qwen2, qwen3; "
+                                   "de-quantized once at load to --dtype) (default: the embedded "
+                                   "SmolLM2-135M-Instruct demo)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="compute dtype (default: auto: bfloat16 on CUDA or on a CPU with AVX512-BF16/AMX, "
                         "else float32; a resumed run keeps its stored dtype)")

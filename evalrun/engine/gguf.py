@@ -54,7 +54,8 @@ LAYER_TENSORS = {
 ROPE_FREQS = "rope_freqs.weight"       # llama 3 rope scaling: read into the config, not a weight
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
-_BIG_ARRAY = 4096                      # metadata arrays longer than this are kept as their length
+_BIG_ARRAY = 4096                      # metadata arrays longer than this are kept as their length ...
+_VOCABULARY = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
 
 
 class GGUFError(WeightsError):
@@ -117,7 +118,9 @@ class GGUFFile:
         raw.update({field: self.metadata[f"{arch}.{key}"] for key, field in CONFIG_KEYS.items()
                     if f"{arch}.{key}" in self.metadata})
         raw["num_key_value_heads"] = self._one_kv_head_count(raw.get("num_key_value_heads"))
-        raw.setdefault("vocab_size", self.metadata.get("tokenizer.ggml.tokens") or self.shape("token_embd.weight")[0])
+        if "vocab_size" not in raw:            # older files: the vocabulary's length, else the embedding's rows
+            embed = self.shape("token_embd.weight")[0] if "token_embd.weight" in self.tensors else None
+            raw["vocab_size"] = self.metadata.get("tokenizer.ggml.tokens") or embed
         raw.update(self._head_dim(arch, raw))
         raw.update(self._rope(arch, raw))
         raw["tie_word_embeddings"] = "output.weight" not in self.tensors
@@ -217,7 +220,8 @@ def open_gguf(path: "str | Path") -> GGUFFile:
     metadata = {}
     for key, field in reader.fields.items():
         is_array = field.types[0] == GGUFValueType.ARRAY
-        metadata[key] = len(field.data) if is_array and len(field.data) > _BIG_ARRAY else field.contents()
+        long = is_array and (len(field.data) > _BIG_ARRAY or key in _VOCABULARY)    # ... and the vocabulary
+        metadata[key] = len(field.data) if long else field.contents()
     return GGUFFile(path, metadata, {t.name: t for t in reader.tensors})
 
 
