@@ -41,7 +41,7 @@ STEP_MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
                "mistral-window": ("mistral", {"sliding_window": 24}), "qwen3": ("qwen3", {}),
                "gemma2": ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 2.0}),
                "gemma3": ("gemma3", {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
-                                     "rope_local_base_freq": 1000.0})}
+                                     "rope_local_base_freq": 1000.0}), "olmo2": ("olmo2", {})}
 
 
 @pytest.mark.parametrize("dtype,mode", [("float32", "fp32"), ("float32", "fp16"),
@@ -51,7 +51,8 @@ def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, case, dtype,
     """Same prompts, a cache each: with the native step and with EVALRUN_DECODE_STEP=0 (per-op
     path), every logit of every step is bitwise equal (qwen2: with QKV biases; llama-bias: q, k,
     v, o and MLP biases; mistral-window: a sliding window of 24 that the contexts outgrow; qwen3:
-    q/k norms; gemma2/3: the sublayers' output norms, GeGLU, soft-capping, a rope per layer type), for
+    q/k norms; gemma2/3: the sublayers' output norms, GeGLU, soft-capping, a rope per layer type; olmo2: norms after the sublayers only, q/k norms over
+    the projections), for
     float32 models on the float32 GEMM and bf16 models on the bf16 GEMM, over float32, float16 and
     bf16 pages."""
     arch, extra = STEP_MODELS[case]

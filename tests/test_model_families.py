@@ -37,6 +37,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "olmo2": ("olmo2", {}),
 }
 
 
@@ -100,7 +101,7 @@ MODE_KL = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "q8": 5e-3, "q6": 0.5, "q4"
 
 
 @pytest.mark.parametrize("mode", list(MODE_KL))
-@pytest.mark.parametrize("family", ["mistral-window", "qwen3", "gemma2-caps", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral-window", "qwen3", "gemma2-caps", "gemma3", "olmo2"])
 def test_every_cache_mode_runs(family_dirs, family: str, mode: str) -> None:
     """Each cache mode (quantized ones with their recent-token window) serves the windowed and the
     q/k-normed model: over prompts longer than the window, the native kernels give the torch

@@ -6,7 +6,8 @@ Qwen2ForCausalLM (q/k/v bias) with their sliding windows, Qwen3ForCausalLM (per-
 before rope), Gemma2ForCausalLM (four (1 + w) norms per layer, GeGLU with tanh GELU, scaled
 embeddings, attention and final-logit soft-capping, query_pre_attn_scalar, alternating sliding
 layers) and Gemma3ForCausalLM (the text model: Gemma 2's layer plus q/k norms, `layer_types`, a
-rope base of its own for the sliding layers). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
+rope base of its own for the sliding layers), Olmo2ForCausalLM (norms after the sublayers only, q/k
+norms over the whole projections). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
 key (`rope_parameters`) are read.
 
 Anything that would change the model's maths and is not implemented (another architecture, a
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM")
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM"}
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # activations of the gated MLP: transformers' ACT2FN name -> ours
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -94,14 +96,17 @@ class ModelConfig:
     eos_token_id: Optional[int] = None
     o_bias: bool = False                   # o_proj has a bias (Llama attention_bias)
     mlp_bias: bool = False                 # gate, up and down projections have biases (Llama mlp_bias)
-    qk_norm: bool = False                  # RMSNorm of each q and k head before rope (Qwen3)
+    qk_norm: str = ""                      # RMSNorm of q and k before rope: "head" each head (Qwen3, Gemma 3),
+                                           # "proj" the whole projection (OLMo 2), "" none
     # per layer: the sliding window W of its attention (a query at position t attends the keys at
     # positions t - W < p <= t, as transformers' sliding_window_overlay), 0 for full attention;
     # () means every layer is full
     layer_windows: tuple[int, ...] = ()
     hidden_act: str = "silu"               # the gated MLP's activation: "silu" or "gelu_tanh"
     norm_offset: bool = False              # RMSNorm weights are used as (1 + w) (Gemma)
-    sandwich_norms: bool = False           # norms on the attention and MLP outputs too (Gemma's four per layer)
+    # where a layer's norms sit: "pre" before each sublayer (Llama), "sandwich" before and after
+    # each (Gemma's four), "post" after each only (OLMo 2)
+    norm_layout: str = "pre"
     embed_scale: float = 1.0               # embeddings times this, rounded to the model dtype (Gemma: sqrt(hidden))
     attn_scale: Optional[float] = None     # scores' scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
     attn_softcap: float = 0.0              # attention soft-capping c: s -> c tanh(s / c) (0: none)
@@ -170,11 +175,12 @@ class ModelConfig:
             eos_token_id=_first_id(raw.get("eos_token_id")),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm="head" if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") else
+                    "proj" if arch == "Olmo2ForCausalLM" else "",
             layer_windows=_layer_windows(raw, arch, _req(raw, "num_hidden_layers")),
             hidden_act=ACTIVATIONS[act],
             norm_offset=gemma,
-            sandwich_norms=gemma,
+            norm_layout="sandwich" if gemma else "post" if arch == "Olmo2ForCausalLM" else "pre",
             embed_scale=float(hidden) ** 0.5 if gemma else 1.0,
             attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,

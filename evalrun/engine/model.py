@@ -1,5 +1,6 @@
 """Decoder-only transformers over a paged KV cache: the Llama family (Llama with its biases, Mistral,
-Qwen2, Qwen3) and Gemma 2 / 3 (their norms around each sublayer, GeGLU, soft-capping); sliding windows.
+Qwen2, Qwen3), Gemma 2 / 3 (their norms around each sublayer, GeGLU, soft-capping) and OLMo 2 (norms
+after each sublayer only); sliding windows.
 
 One forward runs a packed batch: the new tokens of many sequences (prefill
 chunks and single decode tokens) as one [T, hidden] matrix per layer, no padding.
@@ -76,14 +77,15 @@ class ForwardBatch:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor       # [H]
+    input_norm: Optional[torch.Tensor]   # [H]; None: no norm before the attention (OLMo 2)
     wqkv: Linear                   # [(Hq + 2 Hkv) * D, H], bias [(Hq + 2 Hkv) * D] (Qwen2, Llama attention_bias)
     wo: Linear                     # [H, Hq * D], bias [H] (Llama attention_bias)
-    post_norm: torch.Tensor        # [H]
+    post_norm: Optional[torch.Tensor]    # [H] the MLP input's norm; None: none (OLMo 2)
     w_gate_up: Linear              # [2 I, H], bias [2 I] (Llama mlp_bias)
     w_down: Linear                 # [H, I], bias [H] (Llama mlp_bias)
-    q_norm: Optional[torch.Tensor] = None    # [D] RMSNorm of each q head before rope (Qwen3, Gemma 3)
-    k_norm: Optional[torch.Tensor] = None    # [D] ... of each k head
+    q_norm: Optional[torch.Tensor] = None    # [D] RMSNorm of each q head before rope (Qwen3, Gemma 3), or
+                                             # [Hq * D] of the whole q projection (OLMo 2)
+    k_norm: Optional[torch.Tensor] = None    # [D] / [Hkv * D] the same for k
     sliding_window: int = 0        # the layer's sliding window (0: full attention)
     softcap: float = 0.0           # the layer's attention soft-capping (0: none)
     attn_out_norm: Optional[torch.Tensor] = None   # [H] norm of the attention's output before the residual add (Gemma)
@@ -202,7 +204,7 @@ class Model:
             for i, layer in enumerate(self.layers):
                 keep = rows if prune and i == last else None
                 x = self._attention(i, layer, x, *ropes[layer.rope], batch, cache, keep)   # x + attention
-                h = plan.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+                h = x if layer.post_norm is None else plan.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
                 act = plan.gate_up_gelu(h, layer.w_gate_up) if cfg.hidden_act == "gelu_tanh" else \
                     plan.gate_up_silu(h, layer.w_gate_up)
                 x = self._add_output(x, act, layer.w_down, layer.mlp_out_norm, plan)
@@ -253,7 +255,7 @@ class Model:
         cfg = self.config
         t = x.shape[0]
         plan = cache.kernels
-        h = plan.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        h = x if layer.input_norm is None else plan.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         qkv = linear(h, layer.wqkv)
         if layer.q_norm is not None:
             qkv = self._qk_norm(qkv, layer, plan)
@@ -268,12 +270,13 @@ class Model:
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, plan: KernelPlan) -> torch.Tensor:
         """RMSNorm of every q head and every k head of qkv [T, (Hq + 2 Hkv) D] over its D values
-        (Qwen3: before rope); v is left as it is."""
+        (Qwen3, Gemma 3), or of the whole q and k projections (OLMo 2), before rope; v is left as it is."""
         cfg = self.config
         t, d = qkv.shape[0], cfg.head_dim
         nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
-        q = plan.rms_norm(qkv[:, :nq].reshape(t * cfg.num_heads, d), layer.q_norm, cfg.rms_norm_eps)
-        k = plan.rms_norm(qkv[:, nq: nq + nk].reshape(t * cfg.num_kv_heads, d), layer.k_norm, cfg.rms_norm_eps)
+        qw, kw = (d, d) if cfg.qk_norm == "head" else (nq, nk)
+        q = plan.rms_norm(qkv[:, :nq].reshape(-1, qw), layer.q_norm, cfg.rms_norm_eps)
+        k = plan.rms_norm(qkv[:, nq: nq + nk].reshape(-1, kw), layer.k_norm, cfg.rms_norm_eps)
         return torch.cat([q.view(t, nq), k.view(t, nk), qkv[:, nq + nk:]], dim=1)
 
 
@@ -306,22 +309,25 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
         bqkv = biases(p + "self_attn.", ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), cfg.qkv_bias)
         gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (inter, h)),
                              r.get(p + "mlp.up_proj.weight", (inter, h))])
-        qk_norms = ((norm(p + "self_attn.q_norm.weight", d), norm(p + "self_attn.k_norm.weight", d))
-                    if cfg.qk_norm else (None, None))
-        # Gemma: post_attention_layernorm is the attention output's norm, pre_feedforward_layernorm the MLP's input's
-        sandwich = cfg.sandwich_norms
+        whole = cfg.qk_norm == "proj"
+        qk_norms = ((norm(p + "self_attn.q_norm.weight", q_rows if whole else d),
+                     norm(p + "self_attn.k_norm.weight", kv_rows if whole else d)) if cfg.qk_norm else (None, None))
+        # Gemma, OLMo 2: post_attention_layernorm is the attention output's norm; Gemma's
+        # pre_feedforward_layernorm the MLP input's (Llama's post_attention_layernorm)
+        pre, post = cfg.norm_layout in ("pre", "sandwich"), cfg.norm_layout in ("sandwich", "post")
         layers.append(LayerWeights(
-            input_norm=norm(p + "input_layernorm.weight", h),
+            input_norm=norm(p + "input_layernorm.weight", h) if pre else None,
             wqkv=make_linear(wqkv, bqkv),
             wo=make_linear(r.get(p + "self_attn.o_proj.weight", (h, q_rows)),
                            biases(p + "self_attn.", ("o_proj",), (h,), cfg.o_bias)),
-            post_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"), h),
+            post_norm=(norm(p + ("pre_feedforward_layernorm.weight" if post else "post_attention_layernorm.weight"), h)
+                       if pre else None),
             w_gate_up=make_linear(gate_up, biases(p + "mlp.", ("gate_proj", "up_proj"), (inter, inter), cfg.mlp_bias)),
             w_down=make_linear(r.get(p + "mlp.down_proj.weight", (h, inter)),
                                biases(p + "mlp.", ("down_proj",), (h,), cfg.mlp_bias)),
             q_norm=qk_norms[0], k_norm=qk_norms[1], sliding_window=cfg.window(i), softcap=cfg.attn_softcap,
-            attn_out_norm=norm(p + "post_attention_layernorm.weight", h) if sandwich else None,
-            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", h) if sandwich else None,
+            attn_out_norm=norm(p + "post_attention_layernorm.weight", h) if post else None,
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", h) if post else None,
             rope=cfg.layer_rope(i),
         ))
     embed = r.get("model.embed_tokens.weight", (cfg.vocab_size, h))

@@ -32,7 +32,7 @@ class _Layer(ctypes.Structure):
                  "bo", "b_gate_up", "b_down")] + [("sliding", ctypes.c_int), ("softcap", ctypes.c_float),
                                                   ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                                                   ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-                                                  ("rope", ctypes.c_int)]
+                                                  ("rope", ctypes.c_int), ("qk_whole", ctypes.c_int)]
 
 
 class _Threads(ctypes.Structure):
@@ -90,8 +90,8 @@ def enabled() -> bool:
 @dataclass
 class LayerParts:
     """One decoder layer as the step needs it (evalrun/engine/model.py's LayerWeights and the layer's pages)."""
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: Optional[torch.Tensor]       # [H], None: no norm before the attention / the MLP (OLMo 2)
+    post_norm: Optional[torch.Tensor]
     wqkv: Linear
     wo: Linear
     w_gate_up: Linear
@@ -118,7 +118,8 @@ class DecodeStep:
             raise RuntimeError("the native decode step is not available (see kernels.native)")
         self._lib, self._parts = lib, list(parts)
         # float32 norm weights (a bf16 model's, widened: exact) and biases (qkv, o, gate/up, down)
-        norms = [(p.input_norm.float().contiguous(), p.post_norm.float().contiguous()) for p in self._parts]
+        norms = [tuple(None if t is None else t.float().contiguous() for t in (p.input_norm, p.post_norm))
+                 for p in self._parts]
         head_norms = [(None, None) if p.q_norm is None else (p.q_norm.float().contiguous(), p.k_norm.float().contiguous())
                       for p in self._parts]
         out_norms = [tuple(None if t is None else t.float().contiguous() for t in (p.attn_out_norm, p.mlp_out_norm))
@@ -136,11 +137,11 @@ class DecodeStep:
         ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
         for i, (p, (n_in, n_post), (bqkv, bo, bgu, bd), (qn, kn), (an, mn)) in enumerate(
                 zip(self._parts, norms, biases, head_norms, out_norms)):
-            self._layers[i] = _Layer(n_in.data_ptr(), n_post.data_ptr(), p.wqkv.panels.data_ptr(), ptr(bqkv),
+            self._layers[i] = _Layer(ptr(n_in), ptr(n_post), p.wqkv.panels.data_ptr(), ptr(bqkv),
                                      p.wo.panels.data_ptr(), p.w_gate_up.panels.data_ptr(),
                                      p.w_down.panels.data_ptr(), p.kv.k.data_ptr(), p.kv.v.data_ptr(),
                                      ptr(bo), ptr(bgu), ptr(bd), p.sliding_window, p.softcap, ptr(qn), ptr(kn),
-                                     ptr(an), ptr(mn), p.rope)
+                                     ptr(an), ptr(mn), p.rope, int(qn is not None and qn.shape[0] != head_dim))
         first = self._parts[0]
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
                              eps, head_dim ** -0.5 if scale is None else scale, first.kv.k.shape[0] * page_size,
@@ -168,12 +169,13 @@ class DecodeStep:
                 return False
             if not isinstance(p.sliding_window, int) or p.sliding_window < 0 or not p.softcap >= 0.0:
                 return False
-            if (p.q_norm is None) != (p.k_norm is None) or any(
-                    t is not None and tuple(t.shape) != (head_dim,) for t in (p.q_norm, p.k_norm)):
+            if (p.q_norm is None) != (p.k_norm is None) or (p.q_norm is not None and (
+                    tuple(p.q_norm.shape), tuple(p.k_norm.shape)) not in (
+                    ((head_dim,), (head_dim,)), ((num_heads * head_dim,), (num_kv_heads * head_dim,)))):
                 return False
             if any(t is not None and tuple(t.shape) != (hidden,) for t in (p.attn_out_norm, p.mlp_out_norm)):
                 return False
-            if not all(t.dtype == dtype and t.shape == (hidden,) for t in (p.input_norm, p.post_norm)):
+            if not all(t is None or (t.dtype == dtype and t.shape == (hidden,)) for t in (p.input_norm, p.post_norm)):
                 return False
             kv = p.kv
             if kv.fmt.quantized or kv.fmt.window or kv.k.dtype not in PAGE_KINDS or kv.v.dtype != kv.k.dtype:

@@ -4,13 +4,13 @@
  * A decode step has one new token per sequence. Per layer, with x [T, H] the residual stream
  * (updated in place):
  *
- *   h   = rms_norm(x, input_norm)                       fused_ops.c
+ *   h   = rms_norm(x, input_norm)                       fused_ops.c (OLMo 2, no input_norm: h = x)
  *   qkv = h @ Wqkv^T (+ bqkv)                           gemm.c
  *   q   = rope(q); k = rope(k), v -> the layer's pages  fused_ops.c (rope_write_f32)
  *   o   = paged decode attention(q, pages)              paged_decode.c
  *   x   = x + o @ Wo^T                                  gemm.c (residual in the epilogue)
  *         (Gemma: x = x + rms_norm(o @ Wo^T, attn_out_norm))
- *   h   = rms_norm(x, post_norm)
+ *   h   = rms_norm(x, post_norm)                        (OLMo 2, no post_norm: h = x)
  *   a   = silu(h @ Wg^T) * (h @ Wu^T)                   gemm.c, fused_ops.c (silu_mul_f32; Gemma:
  *                                                       gelu_tanh_mul_f32)
  *   x   = x + a @ Wd^T                                  (Gemma: x + rms_norm(a @ Wd^T, mlp_out_norm))
@@ -54,9 +54,11 @@ typedef struct {
     const float *bo, *b_gate_up, *b_down;                    /* may be NULL */
     int sliding;
     float softcap;                                           /* attention soft-capping, 0: none */
-    const float *q_norm, *k_norm;                            /* [D] per-head q/k RMSNorm (Qwen3), or NULL */
+    const float *q_norm, *k_norm;                            /* q/k RMSNorm weights, or NULL: [D] per head (Qwen3),
+                                                                [Hq D] / [Hkv D] the whole projection (qk_whole) */
     const float *attn_out_norm, *mlp_out_norm;               /* [H] norms of the sublayers' outputs (Gemma), or NULL */
     int rope;                                                /* which cos/sin table */
+    int qk_whole;                                            /* q_norm / k_norm over the whole projections (OLMo 2) */
 } DecodeLayer;
 
 /* Threads per kind of op, chosen by the caller with the per-op path's own rules (evalrun/kernels/cpu/fused.py,
@@ -139,14 +141,19 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     }
     for (int l = 0; l < m->L; l++) {
         const DecodeLayer *ly = &m->layers[l];
-        STAGE(0, rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads))
-        STAGE(1, step_gemm(m, h, T, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
-        if (ly->q_norm) {            /* each token's q heads, then its k heads: rows of D in place */
+        const float *hin = x;        /* the attention's input: normed, or x itself (OLMo 2) */
+        if (ly->input_norm) {
+            STAGE(0, rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads))
+            hin = h;
+        }
+        STAGE(1, step_gemm(m, hin, T, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
+        if (ly->q_norm) {            /* each token's q heads, then its k heads (rows of D, or one row each) in place */
+            const int qr = ly->qk_whole ? 1 : Hq, kr = ly->qk_whole ? 1 : Hkv, qc = Hq * D / qr, kc = Hkv * D / kr;
             int rc = 0;
             for (int t = 0; t < T && !rc; t++) {
                 float *row = qkv + (int64_t)t * Q;
-                rc = rms_norm_f32(row, ly->q_norm, row, Hq, D, m->eps, 1)
-                     || rms_norm_f32(row + (int64_t)Hq * D, ly->k_norm, row + (int64_t)Hq * D, Hkv, D, m->eps, 1);
+                rc = rms_norm_f32(row, ly->q_norm, row, qr, qc, m->eps, 1)
+                     || rms_norm_f32(row + (int64_t)Hq * D, ly->k_norm, row + (int64_t)Hq * D, kr, kc, m->eps, 1);
             }
             STAGE(0, rc)
         }
@@ -164,11 +171,15 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
         } else {
             STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, x, x, nthreads))
         }
-        STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
+        hin = x;                     /* the MLP's input */
+        if (ly->post_norm) {
+            STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
+            hin = h;
+        }
         if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
-            STAGE(5, gemm_silu_f32(h, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
+            STAGE(5, gemm_silu_f32(hin, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
         } else {
-            STAGE(5, step_gemm(m, h, T, H, ly->w_gate_up, 2 * I, ly->b_gate_up, 0, gu, nthreads))
+            STAGE(5, step_gemm(m, hin, T, H, ly->w_gate_up, 2 * I, ly->b_gate_up, 0, gu, nthreads))
             STAGE(6, m->act ? gelu_tanh_mul_f32(gu, act, T, I, act_threads) : silu_mul_f32(gu, act, T, I, act_threads))
         }
         if (ly->mlp_out_norm) {
