@@ -116,16 +116,18 @@ def build(fn, types, consts):
 
 ptrs = lambda names, t: dict.fromkeys(names, t)
 for kv, q, bits, window, native in [("*bf16", "*bf16", (0, 0), 0, True), ("*u8", "*fp32", (8, 4), 128, False)]:
-    types = {**ptrs(["q_ptr", "out_ptr"], q), **ptrs(["k_ptr", "v_ptr"], kv), "scale_log2": "fp32",
+    types = {**ptrs(["q_ptr", "out_ptr"], q), **ptrs(["k_ptr", "v_ptr"], kv), "scale_log2": "fp32", "cap_log2": "fp32",
              **ptrs(["ks_ptr", "vs_ptr", "wk_ptr", "wv_ptr"], "*fp16"), **ptrs(["acc_ptr", "ml_ptr"], "*fp32"),
              **ptrs(["wslot_ptr", "wstart_ptr", "table_ptr", "lens_ptr", "cu_q_ptr"], "*i32")}
     common = dict(HKV=8, GQA=4, D=128, PAGE=256, K_BITS=bits[0], V_BITS=bits[1], GROUP=32, NATIVE=native,
                   EMULATE=False, BLOCK_N=64, BLOCK_D=128)
-    build(ta.kernels()._decode_kernel, types, dict(common, WINDOW=window, BLOCK_G=16))
-    if not window:
-        build(ta.kernels()._prefill_kernel, types, dict(common, BLOCK_M=64))
-build(ta.kernels()._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i32"},
-      dict(EMULATE=False, HQ=32, D=128, BLOCK_S=4, BLOCK_D=128))
+    for variant in (dict(SLIDING=False, SOFTCAP=False), dict(SLIDING=True, SOFTCAP=True)):   # sliding window, soft-capping
+        build(ta.kernels()._decode_kernel, types, dict(common, **variant, WINDOW=window, BLOCK_G=16))
+        if not window:
+            build(ta.kernels()._prefill_kernel, types, dict(common, **variant, BLOCK_M=64))
+for sliding in (False, True):
+    build(ta.kernels()._combine_kernel, {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i32"},
+          dict(EMULATE=False, HQ=32, D=128, BLOCK_S=4, BLOCK_D=128, SLIDING=sliding))
 build(tc.kernels()._write_kernel, {**ptrs(["k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16"), "slot_ptr": "*i64"},
       dict(EMULATE=False, HKV=8, D=128, BLOCK=1024))
 for bits in (8, 4):

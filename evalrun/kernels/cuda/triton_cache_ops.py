@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..kv_format import LayerKV
-from .triton_attention import cast, interpreting
+from .triton_attention import interpreting
+from .triton_tiles import cast
 from .jit import cdiv, jit_kernels, next_power_of_2
 
 if TYPE_CHECKING:              # the kernel bodies' names, bound by jit_kernels
