@@ -41,7 +41,8 @@ STEP_MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
                "mistral-window": ("mistral", {"sliding_window": 24}), "qwen3": ("qwen3", {}),
                "gemma2": ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 2.0}),
                "gemma3": ("gemma3", {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
-                                     "rope_local_base_freq": 1000.0}), "olmo2": ("olmo2", {})}
+                                     "rope_local_base_freq": 1000.0}), "olmo2": ("olmo2", {}),
+               "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 30})}
 
 
 @pytest.mark.parametrize("dtype,mode", [("float32", "fp32"), ("float32", "fp16"),
@@ -52,7 +53,7 @@ def test_decode_step_is_bitwise_the_per_op_path(tiny_model_factory, case, dtype,
     path), every logit of every step is bitwise equal (qwen2: with QKV biases; llama-bias: q, k,
     v, o and MLP biases; mistral-window: a sliding window of 24 that the contexts outgrow; qwen3:
     q/k norms; gemma2/3: the sublayers' output norms, GeGLU, soft-capping, a rope per layer type; olmo2: norms after the sublayers only, q/k norms over
-    the projections), for
+    the projections; phi3: fused projections, partial rotary), for
     float32 models on the float32 GEMM and bf16 models on the bf16 GEMM, over float32, float16 and
     bf16 pages."""
     arch, extra = STEP_MODELS[case]

@@ -38,6 +38,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
     "olmo2": ("olmo2", {}),
+    # partial rotary, longrope (its short factors and attention factor: max/original = 8), a window
+    "phi3": ("phi3", {"partial_rotary_factor": 0.75, "max_position_embeddings": 4096,
+                      "original_max_position_embeddings": 512, "sliding_window": 40,
+                      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                                       "long_factor": [4.0] * 12}}),
 }
 
 
@@ -101,7 +106,7 @@ MODE_KL = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "q8": 5e-3, "q6": 0.5, "q4"
 
 
 @pytest.mark.parametrize("mode", list(MODE_KL))
-@pytest.mark.parametrize("family", ["mistral-window", "qwen3", "gemma2-caps", "gemma3", "olmo2"])
+@pytest.mark.parametrize("family", ["mistral-window", "qwen3", "gemma2-caps", "gemma3", "olmo2", "phi3"])
 def test_every_cache_mode_runs(family_dirs, family: str, mode: str) -> None:
     """Each cache mode (quantized ones with their recent-token window) serves the windowed and the
     q/k-normed model: over prompts longer than the window, the native kernels give the torch
@@ -143,6 +148,14 @@ def test_a_long_window_model_keeps_its_context(family_dirs) -> None:
     assert cfg.layer_windows == (WINDOW,) * cfg.num_layers and cfg.max_seq_len == 2048
     qwen = ModelConfig.load(family_dirs["qwen2-window"])
     assert qwen.layer_windows == (0,) + (WINDOW,) * (qwen.num_layers - 1)      # from max_window_layers on
+
+
+def test_longrope_serves_the_context_of_its_short_factors(family_dirs) -> None:
+    """Phi-3's longrope: the short factors and the attention factor of max/original = 8, over the
+    original context (what transformers computes for every sequence that long); partial rotary."""
+    cfg = ModelConfig.load(family_dirs["phi3"])
+    assert cfg.rope.rope_type == "longrope" and cfg.max_seq_len == 512 and cfg.rope_dim == 24
+    assert abs(cfg.rope.attention_factor - (1 + 3 / 9) ** 0.5) < 1e-12      # sqrt(1 + ln 8 / ln 512)
 
 
 def test_plan_names_the_windowed_layers_kernels(family_dirs) -> None:

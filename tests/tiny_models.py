@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3")
 
 WEIGHT_STD = 0.1  # linear weights and biases inside the layers
 LOGIT_STD = 3.0  # target std of the logits: embedding / lm_head std = LOGIT_STD / sqrt(hidden)
@@ -60,7 +60,7 @@ def make_tiny_model(
 
     arch: "llama" (LlamaForCausalLM), "mistral" (MistralForCausalLM, no sliding window)
     "qwen2" (Qwen2ForCausalLM, with q/k/v biases), "qwen3" (Qwen3ForCausalLM, q/k norms), "gemma2"
-    (Gemma2ForCausalLM), "gemma3" (Gemma3ForCausalLM, the text model) or "olmo2" (Olmo2ForCausalLM); head_dim defaults to
+    (Gemma2ForCausalLM), "gemma3" (Gemma3ForCausalLM, the text model) or "olmo2" (Olmo2ForCausalLM) or "phi3" (Phi3ForCausalLM); head_dim defaults to
     hidden_size / num_heads for every arch (Gemma's configs default to 256).
     `extra_config`: more config fields (attention_bias, mlp_bias, sliding_window, use_sliding_window,
     max_window_layers, ...), applied last; every 1-D weight (norm gains, biases) is randomised. `rope_scaling` is the HF dict, e.g.
@@ -114,6 +114,7 @@ def _arch_classes(arch: str) -> tuple[type, type]:
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")

@@ -7,7 +7,10 @@ before rope), Gemma2ForCausalLM (four (1 + w) norms per layer, GeGLU with tanh G
 embeddings, attention and final-logit soft-capping, query_pre_attn_scalar, alternating sliding
 layers) and Gemma3ForCausalLM (the text model: Gemma 2's layer plus q/k norms, `layer_types`, a
 rope base of its own for the sliding layers), Olmo2ForCausalLM (norms after the sublayers only, q/k
-norms over the whole projections). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
+norms over the whole projections), Phi3ForCausalLM (Phi-3 / 3.5: fused qkv_proj and gate_up_proj,
+partial rotary, `longrope` with its short factors: a longrope model is served up to its
+original_max_position_embeddings, the context its short factors cover, where transformers computes
+every sequence with them; longer prompts are skipped, reported as not fitting the model's context). Both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5
 key (`rope_parameters`) are read.
 
 Anything that would change the model's maths and is not implemented (another architecture, a
@@ -18,15 +21,16 @@ silently ignored.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM")
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "olmo2": "Olmo2ForCausalLM"}
+                 "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # activations of the gated MLP: transformers' ACT2FN name -> ours
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -48,9 +52,10 @@ UNIMPLEMENTED_FIELDS = {
     "vision_config": (None,), "pretraining_tp": (None, 1), "use_bidirectional_attention": (None, False),
 }
 # ... of which these are implemented for these architectures
-IMPLEMENTED_FIELDS = {"attn_logit_softcapping": GEMMAS, "final_logit_softcapping": GEMMAS}
+IMPLEMENTED_FIELDS = {"attn_logit_softcapping": GEMMAS, "final_logit_softcapping": GEMMAS,
+                      "partial_rotary_factor": ("Phi3ForCausalLM",)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class ConfigError(ValueError):
@@ -65,6 +70,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: Optional[int] = None
+    short_factor: tuple[float, ...] = ()       # longrope: per frequency divisors (the short ones: see the module)
+    attention_factor: float = 1.0              # longrope: cos and sin times this
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -73,8 +80,10 @@ class RopeConfig:
             )
         if not (self.theta > 0 and self.factor > 0):
             raise ConfigError(f"invalid rope parameters: theta={self.theta}, factor={self.factor}")
-        if self.rope_type == "llama3" and self.original_max_position_embeddings is None:
-            raise ConfigError("llama3 rope scaling needs original_max_position_embeddings")
+        if self.rope_type in ("llama3", "longrope") and self.original_max_position_embeddings is None:
+            raise ConfigError(f"{self.rope_type} rope scaling needs original_max_position_embeddings")
+        if self.rope_type == "longrope" and not self.short_factor:
+            raise ConfigError("longrope rope scaling needs short_factor")
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,12 @@ class ModelConfig:
     attn_softcap: float = 0.0              # attention soft-capping c: s -> c tanh(s / c) (0: none)
     final_softcap: float = 0.0             # the same on the final logits
     local_rope: Optional["RopeConfig"] = None   # the sliding layers' rope (Gemma 3), None: `rope` everywhere
+    rotary_dim: int = 0                    # values of each head rope rotates (partial rotary, Phi-3); 0: head_dim
+    fused_proj: bool = False               # qkv_proj and gate_up_proj stored fused (Phi-3)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def scale(self) -> float:
@@ -167,7 +182,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or hidden // heads,
             intermediate_size=_req(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_seq_len=int(raw.get("max_position_embeddings", 2048)),
+            max_seq_len=_context(raw),
             rope=_rope(raw, "full_attention" if arch == "Gemma3ForCausalLM" else None),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
@@ -186,6 +201,8 @@ class ModelConfig:
             attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
             final_softcap=float(raw.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             local_rope=_rope(raw, "sliding_attention") if arch == "Gemma3ForCausalLM" else None,
+            rotary_dim=_rotary_dim(raw, hidden // heads if not raw.get("head_dim") else raw["head_dim"]),
+            fused_proj=arch == "Phi3ForCausalLM",
         )
 
     @classmethod
@@ -228,8 +245,9 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 def _refuse_unimplemented(raw: dict[str, Any], arch: str) -> None:
     """A config field set to a value that changes the maths in a way evalrun does not implement."""
+    rope_params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     for name, neutral in UNIMPLEMENTED_FIELDS.items():
-        value = raw.get(name)
+        value = raw.get(name, rope_params.get(name))
         if value not in neutral and arch not in IMPLEMENTED_FIELDS.get(name, ()):
             raise ConfigError(f"config.json sets {name}={value!r}, which changes the model's maths and is not "
                               f"implemented for {arch}; evalrun refuses rather than compute something else")
@@ -244,12 +262,12 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     window = raw.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
-    if arch == "LlamaForCausalLM" or window is None:
+    if arch in ("LlamaForCausalLM", "Olmo2ForCausalLM") or window is None:
         return ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ConfigError(f"config.json sliding_window must be a positive integer, got {window!r}")
     types = raw.get("layer_types")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):     # every layer when set (layer_types ignored)
         types = ["sliding_attention"] * num_layers
     elif types is None and arch in GEMMAS:
         every = 2 if arch == "Gemma2ForCausalLM" else int(raw.get("sliding_window_pattern", 6))
@@ -282,14 +300,53 @@ def _rope(raw: dict[str, Any], layer_type: Optional[str] = None) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", default_theta if layer_type else raw.get("rope_theta", default_theta))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type in ("su", "yarn") and params.get("short_factor") else rope_type
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        original_max_position_embeddings=params.get("original_max_position_embeddings",
+                                                    raw.get("original_max_position_embeddings")),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        attention_factor=_longrope_attention(raw, params) if rope_type == "longrope" else 1.0,
     )
+
+
+def _longrope_attention(raw: dict[str, Any], params: dict[str, Any]) -> float:
+    """longrope's cos / sin scale: `attention_factor`, else sqrt(1 + ln(factor) / ln(original)) with
+    factor from the config or max_position_embeddings / original_max_position_embeddings."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if not original:
+        return 1.0
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int:
+    """int(head_dim * partial_rotary_factor) (top level or in rope_parameters), 0 for the whole head."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    factor = float(raw.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+    dim = int(head_dim * factor)
+    if factor == 1.0:
+        return 0
+    if not 0.0 < factor < 1.0 or dim < 2 or dim % 2:
+        raise ConfigError(f"partial_rotary_factor {factor} gives a rotary dim of {dim} of head_dim {head_dim}: "
+                          "it must be an even number of at least 2")
+    return dim
+
+
+def _context(raw: dict[str, Any]) -> int:
+    """max_position_embeddings, or for longrope the original context its short factors cover."""
+    limit = int(raw.get("max_position_embeddings", 2048))
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("longrope", "su"):
+        original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+        limit = min(limit, int(original or limit))
+    return limit
 
 
 def _first_id(value: Any) -> Optional[int]:

@@ -107,7 +107,8 @@ class Model:
         self.final_norm = final_norm           # float32: the head runs in float32
         self.lm_head = lm_head                 # [V, H] head_dtype(): float32, or bf16 on the bf16 GEMM
         # one (cos, sin) table [max_seq_len, D] per rope of the config: `rope`, then Gemma 3's local one
-        self.rope_tables = [tuple(t.to(device) for t in rope_table(rope_inv_freq(r, config.head_dim), config.max_seq_len))
+        self.rope_tables = [tuple(t.to(device) for t in rope_table(rope_inv_freq(r, config.rope_dim), config.max_seq_len,
+                                                                   r.attention_factor))
                             for r in (config.rope, config.local_rope) if r is not None]
         self._steps: "weakref.WeakKeyDictionary[PagedCache, DecodeStep]" = weakref.WeakKeyDictionary()
         # decode steps as CUDA graphs (evalrun/engine/cuda_graphs.py), per cache; graph_capture: how a
@@ -244,7 +245,7 @@ class Model:
             raise ValueError("the kernel plan runs the native decode step, but this model's weights or this "
                              "cache's pages are not laid out as it reads them")
         step = self._steps[cache] = DecodeStep(parts, *dims, cfg.rms_norm_eps, cfg.scale, cfg.hidden_act,
-                                               len(self.rope_tables))
+                                               len(self.rope_tables), cfg.rope_dim)
         return step
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
@@ -303,12 +304,16 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        wqkv = torch.cat([r.get(p + "self_attn.q_proj.weight", (q_rows, h)),
-                          r.get(p + "self_attn.k_proj.weight", (kv_rows, h)),
-                          r.get(p + "self_attn.v_proj.weight", (kv_rows, h))])
+        if cfg.fused_proj:           # Phi-3: [q | k | v] and [gate | up] as stored
+            wqkv = r.get(p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, h))
+            gate_up = r.get(p + "mlp.gate_up_proj.weight", (2 * inter, h))
+        else:
+            wqkv = torch.cat([r.get(p + "self_attn.q_proj.weight", (q_rows, h)),
+                              r.get(p + "self_attn.k_proj.weight", (kv_rows, h)),
+                              r.get(p + "self_attn.v_proj.weight", (kv_rows, h))])
+            gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (inter, h)),
+                                 r.get(p + "mlp.up_proj.weight", (inter, h))])
         bqkv = biases(p + "self_attn.", ("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows), cfg.qkv_bias)
-        gate_up = torch.cat([r.get(p + "mlp.gate_proj.weight", (inter, h)),
-                             r.get(p + "mlp.up_proj.weight", (inter, h))])
         whole = cfg.qk_norm == "proj"
         qk_norms = ((norm(p + "self_attn.q_norm.weight", q_rows if whole else d),
                      norm(p + "self_attn.k_norm.weight", kv_rows if whole else d)) if cfg.qk_norm else (None, None))

@@ -44,7 +44,7 @@ class _Model(ctypes.Structure):
                 ("D", ctypes.c_int), ("I", ctypes.c_int), ("S", ctypes.c_int), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("n_slots", ctypes.c_int64), ("layers", ctypes.POINTER(_Layer)),
                 ("weight_kind", ctypes.c_int), ("page_kind", ctypes.c_int), ("act", ctypes.c_int),
-                ("n_ropes", ctypes.c_int)]
+                ("n_ropes", ctypes.c_int), ("rot", ctypes.c_int)]
 ACTS = {"silu": 0, "gelu_tanh": 1}                               # the gated MLP's activation
 WEIGHT_KINDS = {"native-gemm": 0, "native-bf16": 1}              # the Linear's kernel_name -> its panels'
 WEIGHT_DTYPES = {torch.float32: "native-gemm", torch.bfloat16: "native-bf16"}   # model dtype -> its linears'
@@ -112,7 +112,7 @@ class DecodeStep:
 
     def __init__(self, parts: Sequence[LayerParts], hidden: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, intermediate: int, eps: float, scale: Optional[float] = None, act: str = "silu",
-                 n_ropes: int = 1):
+                 n_ropes: int = 1, rotary_dim: Optional[int] = None):
         lib = _lib()
         if lib is None:
             raise RuntimeError("the native decode step is not available (see kernels.native)")
@@ -146,7 +146,7 @@ class DecodeStep:
         self._model = _Model(len(self._parts), hidden, num_heads, num_kv_heads, head_dim, intermediate, page_size,
                              eps, head_dim ** -0.5 if scale is None else scale, first.kv.k.shape[0] * page_size,
                              self._layers, WEIGHT_KINDS[first.wqkv.kernel_name], PAGE_KINDS[first.kv.k.dtype],
-                             ACTS[act], n_ropes)
+                             ACTS[act], n_ropes, rotary_dim or head_dim)
 
     @staticmethod
     def supports(parts: Sequence[LayerParts], dtype: torch.dtype, device: torch.device, hidden: int,
@@ -207,6 +207,8 @@ class DecodeStep:
             raise ValueError(f"the native decode step takes contiguous float32 rows, got {x.dtype}")
         if len(ropes) != self._model.n_ropes:
             raise ValueError(f"the native decode step reads {self._model.n_ropes} rope tables, got {len(ropes)}")
+        if any(c.shape != (t, self._model.rot) for c, _ in ropes):
+            raise ValueError(f"the native decode step reads rope tables [{t}, {self._model.rot}]")
         cos = torch.stack([c for c, _ in ropes]).contiguous()
         sin = torch.stack([s for _, s in ropes]).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()

@@ -36,6 +36,7 @@ SIGNATURES = {
     "argmax_finite_rows_f32": (_I32, [_P, _I32, _I32, _P, _P, _I32]),
     "rope_write_f32": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _P]),
     "rope_write_kind": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _I32, _P]),
+    "rope_write_part": (_I32, [_P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _P, _I64, _P, _P, _I32, _P]),
 }
 PAGE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # csrc/kv_load.h KIND_F32, KIND_BF16, KIND_F16
 
@@ -117,11 +118,13 @@ def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     """As rope_write_reference in one pass, with float32 qkv rows and float32, bfloat16 or float16
     pages ([P + 1, S, Hkv, D], the kind from k_cache's dtype): returns the rotated q [T, hq, D]
     (float32); k (rotated) and v go straight into their slots, computed in float32 and rounded
-    once to the pages' dtype (to nearest even, as .to(dtype))."""
+    once to the pages' dtype (to nearest even, as .to(dtype)). Tables [T, R] with R < D: partial
+    rotary (the first R values of each head rotated, the rest passed through)."""
     lib = _ready()
-    t, d = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv)
+    t, d, rot = qkv.shape[0], qkv.shape[1] // (hq + 2 * hkv), cos.shape[-1]
     if (lib is None or not rope_write_supported(qkv, cos, k_cache) or qkv.shape[1] != (hq + 2 * hkv) * d
-            or sin.dtype != torch.float32 or cos.shape != (t, d) or sin.shape != (t, d) or slot_mapping.numel() != t):
+            or sin.dtype != torch.float32 or cos.shape != (t, rot) or sin.shape != (t, rot) or rot > d
+            or slot_mapping.numel() != t):
         raise ValueError(f"rope_write_native cannot take qkv {tuple(qkv.shape)} {qkv.dtype}, tables "
                          f"{tuple(cos.shape)} {cos.dtype}, {slot_mapping.numel()} slots with a {k_cache.dtype} cache")
     if (k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
@@ -132,11 +135,11 @@ def rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, h
     slots = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty(t, hq, d, dtype=torch.float32)
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    rc = lib.rope_write_kind(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, hq, hkv, d,
+    rc = lib.rope_write_part(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, hq, hkv, d, rot,
                              slots.data_ptr(), n_slots, k_cache.data_ptr(), v_cache.data_ptr(),
                              PAGE_KINDS[k_cache.dtype], q.data_ptr())
     if rc != 0:
-        raise ValueError(f"slot mapping outside the cache's {n_slots} slots, or odd head dim {d}")
+        raise ValueError(f"slot mapping outside the cache's {n_slots} slots, or odd rotary dim {rot}")
     return q
 
 

@@ -21,7 +21,11 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (may be a strided view); cos/sin [T, D] already gathered at the tokens'
     positions. Returns a new [T, H, D] tensor: x * cos + rotate_half(x) * sin, computed as
-    one multiply and two multiply-adds on the halves (no concatenated copy of x)."""
+    one multiply and two multiply-adds on the halves (no concatenated copy of x). Tables [T, R]
+    with R < D: partial rotary (the first R values rotated, the rest passed through)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     cos, sin = cos[:, None, :], sin[:, None, :]
     out = x * cos

@@ -29,7 +29,7 @@
  *                 sliding window (0: full attention; paged_decode.c), soft-capping (0: none)
  *                 and q/k norm weights [D] (NULL: none; each q and k head RMS-normed before rope)
  *   x             [T, H] in/out
- *   cos, sin      [R, T, D] at each token's position, one table per rope of the model (a layer
+ *   cos, sin      [n_ropes, T, rot] at each token's position, one table per rope of the model (a layer
  *                 reads table DecodeLayer.rope: Gemma 3's sliding layers have a rope of their own)
  *   slots         [T] int64 flat cache slot of each new token (page * S + offset)
  *   page_table    [T, max_pages] int32, seq_lens [T] int32 (the new token included)
@@ -76,6 +76,7 @@ typedef struct {
     int page_kind;                  /* KIND_F32, KIND_BF16 or KIND_F16 */
     int act;                        /* the gated MLP's activation: 0 SiLU, 1 tanh GELU */
     int n_ropes;                    /* cos/sin tables */
+    int rot;                        /* rotary dim (<= D: partial rotary) */
 } DecodeModel;
 
 /* y = residual + x @ W^T (+ bias) on the layer's GEMM (float32 rows in and out) */
@@ -158,9 +159,9 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
             STAGE(0, rc)
         }
         if (ly->rope < 0 || ly->rope >= m->n_ropes) return l + 1;
-        const float *lcos = cos + ly->rope * (int64_t)T * D, *lsin = sin + ly->rope * (int64_t)T * D;
-        STAGE(2, rope_write_kind(qkv, Q, lcos, lsin, T, Hq, Hkv, D, slots, m->n_slots, ly->k_pages, ly->v_pages, kind,
-                                 q))
+        const float *lcos = cos + ly->rope * (int64_t)T * m->rot, *lsin = sin + ly->rope * (int64_t)T * m->rot;
+        STAGE(2, rope_write_part(qkv, Q, lcos, lsin, T, Hq, Hkv, D, m->rot, slots, m->n_slots, ly->k_pages,
+                                 ly->v_pages, kind, q))
         STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,
                               seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
                               0, 0, ly->sliding, ly->softcap))

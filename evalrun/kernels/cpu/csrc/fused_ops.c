@@ -243,44 +243,56 @@ static void store_kind(const float *src, void *dst, int64_t n, int kind) {
  * addcmul_ fuses the second product on AVX2 CPUs and can differ from these by an ulp.
  * Returns 0, or 1 (nothing written) when a slot is outside [0, n_slots), D is odd or page_kind is
  * none of the three. */
-static inline void rope_span(const float *x, const float *c, const float *s, float *out, int D, int j0, int n) {
-    const int h = D / 2, j1 = j0 + n, m = j1 < h ? j1 : h;     /* out[i] = rope(x)[j0 + i], i < n */
+/* Rope over the first R values of a head (R = D, or partial rotary: R < D, tables [T, R]); values
+ * R .. D - 1 pass through unchanged. */
+static inline void rope_span(const float *x, const float *c, const float *s, float *out, int R, int j0, int n) {
+    const int h = R / 2, j1 = j0 + n, m = j1 < h ? j1 : h, r = j1 < R ? j1 : R;   /* out[i] = rope(x)[j0 + i], i < n */
     int j = j0;
     for (; j < m; j++) out[j - j0] = x[j] * c[j] - x[h + j] * s[j];
-    for (; j < j1; j++) out[j - j0] = x[j] * c[j] + x[j - h] * s[j];
+    for (; j < r; j++) out[j - j0] = x[j] * c[j] + x[j - h] * s[j];
+    for (; j < j1; j++) out[j - j0] = x[j];
 }
 
 #define ROPE_CHUNK 128             /* float32 values of a k head rotated on the stack before rounding */
 
-static void rope_store_head(const float *x, const float *c, const float *s, void *dst, int D, int kind) {
+static void rope_store_head(const float *x, const float *c, const float *s, void *dst, int D, int R, int kind) {
     if (kind == KIND_F32) {
-        rope_span(x, c, s, (float *)dst, D, 0, D);
+        rope_span(x, c, s, (float *)dst, R, 0, D);
         return;
     }
     float buf[ROPE_CHUNK];
     for (int j0 = 0; j0 < D; j0 += ROPE_CHUNK) {
         const int n = D - j0 < ROPE_CHUNK ? D - j0 : ROPE_CHUNK;
-        rope_span(x, c, s, buf, D, j0, n);
+        rope_span(x, c, s, buf, R, j0, n);
         store_kind(buf, (uint16_t *)dst + j0, n, kind);
     }
+}
+
+/* rope_write_kind with the rotary dim R (partial rotary: the first R of each head's D values,
+ * cos / sin [T, R]; R = D rotates all). */
+int rope_write_part(const float *qkv, int64_t row_stride, const float *cos, const float *sin, int T, int Hq,
+                    int Hkv, int D, int R, const int64_t *slots, int64_t n_slots, void *k_pages, void *v_pages,
+                    int page_kind, float *q_out) {
+    if (R % 2 || R < 2 || R > D || (page_kind != KIND_F32 && page_kind != KIND_BF16 && page_kind != KIND_F16)) return 1;
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= n_slots) return 1;
+    const int64_t W = (int64_t)Hkv * D, bytes = page_kind == KIND_F32 ? 4 : 2;     /* values, bytes a value */
+    for (int t = 0; t < T; t++) {
+        const float *row = qkv + (int64_t)t * row_stride, *c = cos + (int64_t)t * R, *s = sin + (int64_t)t * R;
+        for (int h = 0; h < Hq; h++) rope_span(row + (int64_t)h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, R, 0, D);
+        char *kd = (char *)k_pages + slots[t] * W * bytes, *vd = (char *)v_pages + slots[t] * W * bytes;
+        for (int h = 0; h < Hkv; h++)
+            rope_store_head(row + (int64_t)(Hq + h) * D, c, s, kd + (int64_t)h * D * bytes, D, R, page_kind);
+        store_kind(row + (int64_t)(Hq + Hkv) * D, vd, W, page_kind);
+    }
+    return 0;
 }
 
 int rope_write_kind(const float *qkv, int64_t row_stride, const float *cos, const float *sin, int T, int Hq,
                     int Hkv, int D, const int64_t *slots, int64_t n_slots, void *k_pages, void *v_pages,
                     int page_kind, float *q_out) {
-    if (D % 2 || (page_kind != KIND_F32 && page_kind != KIND_BF16 && page_kind != KIND_F16)) return 1;
-    for (int t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= n_slots) return 1;
-    const int64_t W = (int64_t)Hkv * D, bytes = page_kind == KIND_F32 ? 4 : 2;     /* values, bytes a value */
-    for (int t = 0; t < T; t++) {
-        const float *row = qkv + (int64_t)t * row_stride, *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-        for (int h = 0; h < Hq; h++) rope_span(row + (int64_t)h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, D, 0, D);
-        char *kd = (char *)k_pages + slots[t] * W * bytes, *vd = (char *)v_pages + slots[t] * W * bytes;
-        for (int h = 0; h < Hkv; h++)
-            rope_store_head(row + (int64_t)(Hq + h) * D, c, s, kd + (int64_t)h * D * bytes, D, page_kind);
-        store_kind(row + (int64_t)(Hq + Hkv) * D, vd, W, page_kind);
-    }
-    return 0;
+    return rope_write_part(qkv, row_stride, cos, sin, T, Hq, Hkv, D, D, slots, n_slots, k_pages, v_pages, page_kind,
+                           q_out);
 }
 
 /* rope_write_kind with float32 pages (decode_step.c's layers). */
