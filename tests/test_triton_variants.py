@@ -158,3 +158,19 @@ def test_tanh_within_a_few_ulp():
     ulp = torch.from_numpy(np.spacing(want.abs().float().numpy())).double()
     err = ((y.double().cpu() - want).abs() / ulp).max().item()
     assert err <= (2.0 if INTERPRET else 4.0), err
+
+
+@pytest.mark.parametrize("mode,q_dtype", [("bf16", torch.bfloat16), ("q8", torch.float32)], ids=IDS)
+def test_the_triton_plan_runs_variant_layers_on_triton(mode, q_dtype):
+    """The TritonKernels plan of a model with sliding windows or soft-capping names the Triton
+    kernels for those layers and its attention op (q rotated in and out for q8) gives the reference."""
+    from evalrun.kernels.backend import PlanKey, TritonKernels
+    page_size, q_lens, lens = 8, [1, 1, 19, 12], [9, 30, 19, 37]
+    layer, q, meta = _case(PAGE_FORMATS[mode], 4, 2, 32, page_size, lens, q_lens, 5, q_dtype)
+    key = PlanKey(DEVICE.type, q_dtype, layer.fmt, page_size, 4, 2, 32, variants=True)
+    plan = TritonKernels().plan(key)
+    assert plan.names["variant_decode_attention"] == plan.names["variant_prefill_attention"] == "triton"
+    q = (q.float() * 4).to(q_dtype)
+    for window, softcap in [(13, 0.0), (0, 2.0), (5, 30.0)]:
+        ref = TorchKernels().attention(q, layer, meta, 32 ** -0.5, sliding_window=window, softcap=softcap)
+        _close(plan.attention(q, layer, meta, 32 ** -0.5, None, None, window, softcap), ref, q_dtype)

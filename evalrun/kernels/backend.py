@@ -285,12 +285,12 @@ class TritonKernels(TorchKernels):
         attention = ref.attention
         if key.dtype in triton_attention._FLOATS and _heads_fit(key):
             if fmt.window:           # the window's prefill stays with the reference (SDPA)
-                attention = _variants_by(_attention(triton_attention.decode_triton), ref.attention)
+                attention = _attention(triton_attention.decode_triton, variant_decode=triton_attention.decode_triton)
                 names["decode_attention"], names["prefill_attention"] = "triton", "torch-sdpa"
             else:
-                attention = _variants_by(_triton_attention, ref.attention)
+                attention = _triton_attention
                 names["decode_attention"] = names["prefill_attention"] = "triton"
-        _variant_names(key, names, "torch", "torch-sdpa")    # the Triton kernels have no sliding window yet
+        _variant_names(key, names, names["decode_attention"], names["prefill_attention"])
         names["norm_act"], names["head_norm"] = "triton rms_norm, torch silu", "triton"
         graphs = (write is not write_kv_torch and names["decode_attention"] == "triton" and not fmt.window
                   and not key.variants)       # the reference's variant decode reads the lengths on the host
@@ -301,10 +301,11 @@ class TritonKernels(TorchKernels):
 
 
 def _triton_attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
-                      k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                      sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     fmt = layer.fmt
     qr = rotate(q, fmt.group_size).to(q.dtype) if fmt.rotate else q
-    out = triton_attention.paged_attention_triton(qr, layer, meta, scale)
+    out = triton_attention.paged_attention_triton(qr, layer, meta, scale, sliding_window, softcap)
     return rotate(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
 
 
