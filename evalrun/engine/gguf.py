@@ -185,9 +185,11 @@ class GGUFFile:
         from gguf import LlamaFileType
 
         file_type = self.metadata.get("general.file_type")
+        guessed = isinstance(file_type, int) and bool(file_type & LlamaFileType.GUESSED)   # a flag llama.cpp may add
         try:
-            name: Optional[str] = LlamaFileType(file_type).name.removeprefix("MOSTLY_")
-        except ValueError:
+            name: Optional[str] = LlamaFileType(file_type & ~LlamaFileType.GUESSED).name.removeprefix("MOSTLY_")
+            name += " (guessed)" if guessed else ""
+        except (ValueError, TypeError):
             name = None if file_type is None else f"unknown ({file_type})"
         counts = Counter(t.tensor_type.name for t in self.tensors.values())
         return {"file": self.path.name, "architecture": self.architecture, "file_type": name,

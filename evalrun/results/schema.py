@@ -86,7 +86,7 @@ class Manifest(TypedDict, total=False):
     # supplied by the caller (evalrun's commands)
     task: str  # "mmlu", "humaneval", "humaneval-score"
     identity: dict[str, Any]  # compared on resume: task, fingerprints, resolved engine settings, format
-    model: dict[str, Any]  # `fingerprint_model_dir(path)` plus the resolved path
+    model: dict[str, Any]  # `fingerprint_model_dir(path)` plus the resolved path; a .gguf file adds "gguf": {"file", "architecture", "file_type" (e.g. "Q4_K_M"), "tensor_types" ({type: count}), "sha256" (whole file), "bytes"}
     dtype: str  # resolved: "float32", "bfloat16", "float16" (never "auto")
     device: str  # resolved: "cpu", "cuda", "cuda:N"
     cache_mode: str  # resolved: "fp32", "bf16", "fp16", "q8", "q6", "q4"
