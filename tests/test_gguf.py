@@ -23,7 +23,7 @@ from evalrun.demo import find_demo_gguf
 from evalrun.engine import Model, Tokenizer
 from evalrun.engine.config import ConfigError
 from evalrun.engine.weights import WeightsError
-from tests.test_model import _prefill_forward, hf_logits, load_hf, max_diff, random_prompt
+from tests.test_model import SMOLLM2_TOL, _prefill_forward, hf_logits, load_hf, max_diff, random_prompt
 from tests.tiny_models import LLAMA3_ROPE, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -88,6 +88,17 @@ def test_logits_equal_transformers_gguf_loading(gguf_dir, name: str) -> None:
     want = torch.cat([hf_logits(hf, p) for p in prompts])
     assert got.shape == want.shape
     assert max_diff(got, want) <= TOL, name
+
+
+def test_smollm2_release_file_equals_transformers() -> None:
+    """The demo model's own llama.cpp file (Q4_1 and Q8_0 blocks, 9 query and 3 KV heads, 30 layers)."""
+    path = find_demo_gguf()
+    model, tokenizer = Model.load(path, dtype="float32"), Tokenizer.load(path)
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is Paris, and the capital of Germany is",
+                                             "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)")]
+    got, _ = _prefill_forward(model, prompts, None, page_size=16)
+    want = torch.cat([hf_logits(_hf_gguf(path), p) for p in prompts])
+    assert max_diff(got, want) <= SMOLLM2_TOL
 
 
 def test_llama3_rope_from_rope_freqs(gguf_dir) -> None:
