@@ -3,7 +3,8 @@ in the test (tests/gguf_writer.py, as llama.cpp's converter writes them: F32, F1
 k-quants Q4_K, Q5_K, Q6_K), loaded by evalrun and by transformers' own GGUF loading
 (`from_pretrained(dir, gguf_file=...)`), compared at every prompt position.
 
-Then the tokenizer (ids equal transformers' GGUF tokenizer), `evalrun mmlu --model x.gguf` with
+The demo model's own llama.cpp release file (Q4_1) against transformers too. Then the tokenizer
+(ids equal transformers' GGUF tokenizer), `evalrun mmlu --model x.gguf` with
 the manifest's sha256 and quantization, llama3 rope scaling from `rope_freqs`, and bad files:
 missing, truncated, not GGUF, an unsupported architecture, experts, a missing, misshapen or
 unused tensor: each one line, exit 2 on the CLI.
