@@ -156,7 +156,8 @@ def _llama3_rope_freqs(config: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _encode(value: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, Optional[GGMLQuantizationType]]:
+def _encode(value: np.ndarray, kind: str,
+            rng: np.random.Generator) -> tuple[np.ndarray, Optional[GGMLQuantizationType]]:
     qtype = GGMLQuantizationType[kind]
     if kind == "F32":
         return value, None

@@ -174,7 +174,8 @@ class GGUFFile:
         if ROPE_FREQS in self.tensors:
             if kind != "none":
                 raise ConfigError(f"{self.path}: both rope.scaling.type {kind!r} and {ROPE_FREQS}")
-            return {"rope_scaling": _llama3_rope(self, raw)}
+            scaling = _llama3_rope(self, raw)
+            return {"rope_scaling": scaling} if scaling else {}
         if kind == "none":
             return {}
         return {"rope_scaling": {"rope_type": kind, **({"factor": float(factor)} if factor is not None else {})}}
@@ -309,8 +310,9 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)   # [heads, 2, D/2, *rest] flattened
 
 
-def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
-    """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs, else ConfigError.
+def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The llama3 rope_scaling whose per-frequency factors are the file's rope_freqs (None where they
+    are all 1), else ConfigError.
 
     llama.cpp's converter stores, per frequency of wavelength w, 1 where w < L / high, `factor` where
     w > L / low, else 1 / ((1 - s) / factor + s) with s = (L / w - low) / (high - low), as float32.
@@ -322,6 +324,8 @@ def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     factor = float(stored.max())
+    if np.all(stored == 1.0):
+        return None
     band = (stored > 1 + 1e-6) & (stored < factor * (1 - 1e-6))
     if band.sum() >= 2:
         s = (1 / stored[band] - 1 / factor) / (1 - 1 / factor)
@@ -334,7 +338,7 @@ def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> dict[str, Any]:
         lo, hi = (ones.max() * high if ones.size else 1.0), (full.min() if full.size else 2 * lo)
         s = (1 / stored[band] - 1 / factor) / (1 - 1 / factor)
         old_len = float((3 * s[0] + 1) * wavelen[band][0]) if band.any() else math.sqrt(lo * hi)
-    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": round(high, 6),
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(round(high, 6)),
             "original_max_position_embeddings": _round_near(old_len)}
     if factor > 1 and np.allclose(stored, _llama3_factors(wavelen, rope), rtol=1e-5, atol=0):
         return rope
