@@ -98,7 +98,8 @@ def test_smollm2_release_file_equals_transformers() -> None:
     prompts = [tokenizer.encode(t) for t in ("The capital of France is Paris, and the capital of Germany is",
                                              "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)")]
     got, _ = _prefill_forward(model, prompts, None, page_size=16)
-    want = torch.cat([hf_logits(_hf_gguf(path), p) for p in prompts])
+    hf = _hf_gguf(path)
+    want = torch.cat([hf_logits(hf, p) for p in prompts])
     assert max_diff(got, want) <= SMOLLM2_TOL
 
 
