@@ -149,19 +149,18 @@ class GGUFFile:
         return value[0]
 
     def _head_dim(self, arch: str, raw: dict[str, Any]) -> dict[str, Any]:
-        """head_dim from attention.key_length (else hidden / heads); a rope over fewer dimensions
-        becomes partial_rotary_factor, which config.py refuses."""
+        """head_dim from attention.key_length (else hidden / heads); a rope over fewer dimensions is refused."""
         meta, heads = self.metadata, raw["num_attention_heads"]
         head_dim = meta.get(f"{arch}.attention.key_length") or raw["hidden_size"] // heads
         value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
         if value_dim != head_dim:
             raise ConfigError(f"{self.path}: key length {head_dim} and value length {value_dim} differ, "
                               "which evalrun does not implement")
-        out: dict[str, Any] = {"head_dim": head_dim}
         rope_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
-        if rope_dims != head_dim:
-            out["partial_rotary_factor"] = rope_dims / head_dim
-        return out
+        if rope_dims != head_dim:       # llama.cpp's partial rope is not transformers' (pairs differ)
+            raise ConfigError(f"{self.path}: rope over {rope_dims} of the head's {head_dim} dimensions, which "
+                              "evalrun does not read from GGUF files")
+        return {"head_dim": head_dim}
 
     def _rope(self, arch: str, raw: dict[str, Any]) -> dict[str, Any]:
         """rope_scaling from rope.scaling.* (or the older rope.scale_linear) and rope_freqs.weight;
