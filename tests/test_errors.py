@@ -269,13 +269,13 @@ def test_unsupported_architecture(model_copy: Path) -> None:
 
 def test_unsupported_hidden_act(model_copy: Path) -> None:
     edit_config(model_copy, hidden_act="gelu")
-    with pytest.raises(ConfigError, match="unsupported hidden_act 'gelu'; only 'silu' \\(SwiGLU\\) is supported"):
+    with pytest.raises(ConfigError, match="unsupported hidden activation 'gelu'; supported: silu, gelu_pytorch_tanh"):
         Model.load(model_copy, dtype="float32")
 
 
 @pytest.mark.parametrize("changes,message", [
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}},
-     "unsupported rope scaling type 'yarn'; supported: default, linear, llama3"),
+     "unsupported rope scaling type 'yarn'; supported: default, linear, llama3, longrope"),
     ({"num_key_value_heads": 3}, "num_attention_heads \\(4\\) is not a multiple of num_key_value_heads \\(3\\)"),
     ({"vocab_size": 0}, "config field vocab_size must be a positive integer, got 0"),
 ])

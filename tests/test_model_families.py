@@ -106,7 +106,7 @@ MODE_KL = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-4, "q8": 5e-3, "q6": 0.5, "q4"
 
 
 @pytest.mark.parametrize("mode", list(MODE_KL))
-@pytest.mark.parametrize("family", ["mistral-window", "qwen3", "gemma2-caps", "gemma3", "olmo2", "phi3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_cache_mode_runs(family_dirs, family: str, mode: str) -> None:
     """Each cache mode (quantized ones with their recent-token window) serves the windowed and the
     q/k-normed model: over prompts longer than the window, the native kernels give the torch
@@ -227,3 +227,17 @@ def test_mmlu_predictions_equal_transformers(tmp_path, smollm2_dir, family: str,
         lp = hf_logits(hf, ids, [len(ids) - 1])[0].log_softmax(-1)[letters]
         assert row.prediction == "ABCD"[int(lp.argmax())]
         torch.testing.assert_close(torch.tensor(list(row.choice_logprobs), dtype=torch.float32), lp, atol=1e-4, rtol=0)
+
+
+def test_both_config_spellings_give_one_config(family_dirs) -> None:
+    """The transformers 5 spelling (rope_parameters, per layer type for Gemma 3) and the older one
+    (rope_theta, rope_scaling, rope_local_base_freq; Phi-3's "su") read as the same config."""
+    for family, old_keys in (("gemma3", {"rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                         "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+                             ("phi3", {"rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                       "rope_scaling": {"type": "su", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                                                        "long_factor": [4.0] * 12}})):
+        raw = json.loads((family_dirs[family] / "config.json").read_text())
+        new = ModelConfig.from_dict(raw)
+        old = ModelConfig.from_dict({**{k: v for k, v in raw.items() if k != "rope_parameters"}, **old_keys})
+        assert old == new, family
