@@ -85,6 +85,7 @@ GROUPS = {
     "sandbox": "the HumanEval sandbox",
     "scale-out": "--ray replicas and the driver",
     "deterministic": "deterministic mode",
+    "families": "model families against a Llama of the same sizes",
 }
 REQUIRED = ("benchmark", "what", "group", "date", "commit", "commit_note", "cpu", "command", "dtype",
             "peer", "ours", "peer_value", "units", "ratio", "notes")
