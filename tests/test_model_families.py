@@ -27,17 +27,18 @@ WINDOW = 24
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "qwen3": ("qwen3", {}),
-    "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
+    "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1,
+                               "attention_bias": True}),
     "mistral-window": ("mistral", {"sliding_window": WINDOW}),
     "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
     # transformers' defaults: soft-capping 50 / 30, query_pre_attn_scalar 256, alternating sliding layers
     "gemma2": ("gemma2", {"sliding_window": WINDOW}),
     "gemma2-caps": ("gemma2", {"sliding_window": WINDOW, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
-                               "query_pre_attn_scalar": 24}),
+                               "query_pre_attn_scalar": 24, "attention_bias": True}),
     "gemma3": ("gemma3", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                           "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
-    "olmo2": ("olmo2", {}),
+    "olmo2": ("olmo2", {"attention_bias": True}),
     # partial rotary, longrope (its short factors and attention factor: max/original = 8), a window
     "phi3": ("phi3", {"partial_rotary_factor": 0.75, "max_position_embeddings": 4096,
                       "original_max_position_embeddings": 512, "sliding_window": 40,

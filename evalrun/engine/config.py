@@ -32,6 +32,9 @@ BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 GEMMAS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# where `attention_bias` gives q, k, v and o biases (transformers' Mistral and Phi-3 ignore it, Qwen2
+# always has q/k/v biases and no o bias), and `mlp_bias` counts only for Llama
+ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM")
 # activations of the gated MLP: transformers' ACT2FN name -> ours
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # families refused with their reason (the name is matched as a prefix of the architecture)
@@ -185,11 +188,11 @@ class ModelConfig:
             max_seq_len=_context(raw),
             rope=_rope(raw, "full_attention" if arch == "Gemma3ForCausalLM" else None),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+            qkv_bias=arch == "Qwen2ForCausalLM" or (attention_bias and arch in ATTENTION_BIAS),
             bos_token_id=_first_id(raw.get("bos_token_id")),
             eos_token_id=_first_id(raw.get("eos_token_id")),
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            o_bias=attention_bias and arch in ATTENTION_BIAS,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
             qk_norm="head" if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") else
                     "proj" if arch == "Olmo2ForCausalLM" else "",
             layer_windows=_layer_windows(raw, arch, _req(raw, "num_hidden_layers")),
