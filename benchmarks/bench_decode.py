@@ -60,6 +60,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
     parser = base_parser(NAME, __doc__.splitlines()[0])
     parser.add_argument("--n", "--rows", dest="n", type=int, default=32,
                         help="HumanEval prompts, in file order (default 32)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="another model directory (any family evalrun runs; default: the demo SmolLM2); "
+                             "the prompts are tokenized with its tokenizer, or the demo's where it has none "
+                             "(a random-weight model of the same vocabulary, as benchmarks/bench_families.py makes)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--cache-tokens", type=int, default=32768, help="PagedCache max_tokens (not --curve)")
@@ -363,6 +367,10 @@ def report_compare(result: dict[str, Any], work: ModelWork, roofs: Roofs) -> Non
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     info, model_dir, tokenizer = start_run()
+    if args.model is not None:
+        model_dir = args.model
+        if (model_dir / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.load(model_dir)
     start = measure_roofs()
     print(f"roofs at start: {format_roofs(start)}")
     result = run_curve(args, model_dir, tokenizer) if args.curve else run_compare(args, model_dir, tokenizer)

@@ -165,6 +165,11 @@ def test_plan_names_the_windowed_layers_kernels(family_dirs) -> None:
     names = PagedCache(model, max_tokens=256, page_size=16, mode="fp32").kernels.names
     assert names["variant_decode_attention"] == names["decode_attention"]
     assert names["variant_prefill_attention"] == names["prefill_attention"]
+    from evalrun.kernels.cpu import fused, paged_decode, paged_prefill
+    if paged_decode.available() and paged_prefill.available():      # the native kernels run them here
+        assert names["variant_decode_attention"] == names["variant_prefill_attention"] == "native-c"
+    gemma = PagedCache(Model.load(family_dirs["gemma2"], dtype="float32"), max_tokens=256, page_size=16).kernels.names
+    assert gemma["gate_up_gelu"] == ("native-c gelu_tanh" if fused.available() else "torch")
     assert "variant_decode_attention" not in PagedCache(Model.load(family_dirs["qwen3"], dtype="float32"),
                                                         max_tokens=256, page_size=16).kernels.names
 
@@ -242,3 +247,26 @@ def test_both_config_spellings_give_one_config(family_dirs) -> None:
         new = ModelConfig.from_dict(raw)
         old = ModelConfig.from_dict({**{k: v for k, v in raw.items() if k != "rope_parameters"}, **old_keys})
         assert old == new, family
+
+
+SPARSE = {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 128, "bos_token_id": 1, "eos_token_id": 2}
+SPARSE_CASES = {
+    "LlamaForCausalLM": ("LlamaConfig", {}), "MistralForCausalLM": ("MistralConfig", {}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {"use_sliding_window": True, "num_hidden_layers": 30}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {}), "Gemma2ForCausalLM": ("Gemma2Config", {}),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {}), "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "Phi3ForCausalLM": ("Phi3Config", {"max_position_embeddings": 32768, "rope_scaling": {
+        "type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}),
+}
+
+
+@pytest.mark.parametrize("arch", list(SPARSE_CASES))
+def test_a_sparse_config_takes_transformers_defaults(arch: str) -> None:
+    """A config.json that leaves keys out reads as transformers' configuration class completes it
+    (windows, soft-capping, head_dim, eps, context of each family), not with generic defaults."""
+    name, extra = SPARSE_CASES[arch]
+    sparse = {**SPARSE, **extra}
+    full = getattr(transformers, name)(**sparse).to_dict()
+    assert ModelConfig.from_dict({**sparse, "architectures": [arch]}) == \
+        ModelConfig.from_dict({**full, "architectures": [arch]})

@@ -67,12 +67,14 @@ def _whole(q, layer, meta, b):
             cu[b + 1:b + 2] - cu[b:b + 1])
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (17, 0.0), (9, 3.0), (0, 3.0)])
 @pytest.mark.parametrize("mode,threads", [("fp32", 1), ("fp32", 2), ("bf16", 2), ("bf16", 3), ("q8", 2)])
-def test_native_prefill_is_chunk_and_batch_invariant(mode, threads):
+def test_native_prefill_is_chunk_and_batch_invariant(mode, threads, window, softcap):
     """Each sequence's outputs, bitwise: alone, among the others, split into chunks of 1, 7 and 16
     positions (each chunk attending the positions before it, as chunked prefill runs), and at one
     to three threads (each thread reuses the K/V rows it converted for its previous task of the same
-    head, and takes tasks from the others' ranges when its own are done)."""
+    head, and takes tasks from the others' ranges when its own are done); with a sliding window
+    and soft-capping too (a windowed task converts no key before its window)."""
     _need_native()
     lens = [300, 45, 130, 17, 64]
     q, layer, meta = _paged_case(9, 3, 64, 16, lens, mode, seed=5, q_lens=[300, 20, 130, 17, 40])
@@ -82,15 +84,17 @@ def test_native_prefill_is_chunk_and_batch_invariant(mode, threads):
     try:
         torch.set_num_threads(threads)
         full = paged_prefill.paged_prefill_native(q, layer, meta.page_table, meta.seq_lens_k,
-                                                  meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1], 0.125)
+                                                  meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1], 0.125,
+                                                  window, softcap)
     finally:
         torch.set_num_threads(before)
     if not layer.fmt.rotate:                                  # rotating formats: through attend (the test above)
-        torch.testing.assert_close(full, paged_attention_torch(q, layer, meta, 0.125), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(full, attend(q, layer, meta, 0.125, sliding_window=window, softcap=softcap),
+                                   atol=2e-6, rtol=1e-5)
     cu = meta.cu_seqlens_q.long()
     for b in range(len(lens)):
         qb, table, length, n = _whole(q, layer, meta, b)
-        alone = paged_prefill.paged_prefill_native(qb, layer, table, length, n, 0.125)
+        alone = paged_prefill.paged_prefill_native(qb, layer, table, length, n, 0.125, window, softcap)
         assert torch.equal(alone, full[int(cu[b]):int(cu[b + 1])])
         start = int(length) - int(n)
         for chunk in (1, 7, 16):
@@ -99,7 +103,7 @@ def test_native_prefill_is_chunk_and_batch_invariant(mode, threads):
                 m = min(chunk, int(n) - i)
                 parts.append(paged_prefill.paged_prefill_native(
                     qb[i:i + m], layer, table, torch.tensor([start + i + m], dtype=torch.int32),
-                    torch.tensor([m]), 0.125))
+                    torch.tensor([m]), 0.125, window, softcap))
             assert torch.equal(torch.cat(parts), alone), (b, chunk)
 
 

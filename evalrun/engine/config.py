@@ -14,9 +14,10 @@ every sequence with them; longer prompts are skipped, reported as not fitting th
 key (`rope_parameters`) are read.
 
 Anything that would change the model's maths and is not implemented (another architecture, a
-mixture of experts, latent attention, soft-capping, partial rotary, an unknown layer type ...)
-is refused here, before any weight is read, with one line naming it (ConfigError): never
-silently ignored.
+mixture of experts, latent attention, soft-capping outside Gemma, partial rotary outside Phi-3, an
+unknown layer type ...) is refused here, before any weight is read, with one line naming it
+(ConfigError): never silently ignored. A key a config leaves out takes the default transformers'
+configuration class of that architecture gives it (ARCH_DEFAULTS), not a generic one.
 """
 from __future__ import annotations
 
@@ -58,6 +59,22 @@ UNIMPLEMENTED_FIELDS = {
 IMPLEMENTED_FIELDS = {"attn_logit_softcapping": GEMMAS, "final_logit_softcapping": GEMMAS,
                       "partial_rotary_factor": ("Phi3ForCausalLM",)}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' defaults (configuration_*.py) for the keys whose default differs from the generic
+# one below (max_position_embeddings 2048, rms_norm_eps 1e-6, no window, head_dim hidden / heads, ...)
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "MistralForCausalLM": {"sliding_window": 4096, "max_position_embeddings": 131072, "num_key_value_heads": 8},
+    "Qwen2ForCausalLM": {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"sliding_window": 4096, "max_window_layers": 28, "max_position_embeddings": 32768,
+                         "head_dim": 128},
+    "Gemma2ForCausalLM": {"sliding_window": 4096, "head_dim": 256, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256,
+                          "max_position_embeddings": 8192, "tie_word_embeddings": True, "num_key_value_heads": 4},
+    "Gemma3ForCausalLM": {"sliding_window": 4096, "head_dim": 256, "query_pre_attn_scalar": 256,
+                          "max_position_embeddings": 131072, "tie_word_embeddings": True, "num_key_value_heads": 4},
+    "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
+    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096,
+                        "max_position_embeddings": 4096},
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -166,6 +183,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         arch = _architecture(raw)
+        raw = {**ARCH_DEFAULTS.get(arch, {}), **raw}         # a key set to null stays null
         gemma = arch in GEMMAS
         act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
             else raw.get("hidden_act", "silu")
@@ -175,6 +193,8 @@ class ModelConfig:
         heads = _req(raw, "num_attention_heads")
         hidden = _req(raw, "hidden_size")
         attention_bias = bool(raw.get("attention_bias", False))
+        rope = _rope(raw, "full_attention" if arch == "Gemma3ForCausalLM" else None)
+        context = _context(raw, rope)
         return cls(
             architecture=arch,
             vocab_size=_req(raw, "vocab_size"),
@@ -185,8 +205,8 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or hidden // heads,
             intermediate_size=_req(raw, "intermediate_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_seq_len=_context(raw),
-            rope=_rope(raw, "full_attention" if arch == "Gemma3ForCausalLM" else None),
+            max_seq_len=context,
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or (attention_bias and arch in ATTENTION_BIAS),
             bos_token_id=_first_id(raw.get("bos_token_id")),
@@ -195,7 +215,7 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
             qk_norm="head" if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM") else
                     "proj" if arch == "Olmo2ForCausalLM" else "",
-            layer_windows=_layer_windows(raw, arch, _req(raw, "num_hidden_layers")),
+            layer_windows=_layer_windows(raw, arch, _req(raw, "num_hidden_layers"), context),
             hidden_act=ACTIVATIONS[act],
             norm_offset=gemma,
             norm_layout="sandwich" if gemma else "post" if arch == "Olmo2ForCausalLM" else "pre",
@@ -256,12 +276,13 @@ def _refuse_unimplemented(raw: dict[str, Any], arch: str) -> None:
                               f"implemented for {arch}; evalrun refuses rather than compute something else")
 
 
-def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int, context: int) -> tuple[int, ...]:
     """Per layer sliding window (0: full attention), as transformers decides it for `arch`:
     Mistral windows every layer when `sliding_window` is set (its model ignores `layer_types`);
     Qwen2/Qwen3 window the layers `layer_types` names sliding (by default those from
     `max_window_layers` on) when `use_sliding_window` is true; Gemma 2 / 3 the layers `layer_types`
-    names sliding (by default every other one / five of each six); Llama has no window."""
+    names sliding (by default every other one / five of each six); Llama has no window. A window
+    of at least the model's context is no window (Phi-3.5's 262144 over 131072 positions)."""
     window = raw.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
@@ -284,7 +305,7 @@ def _layer_windows(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int
     if unknown:
         raise ConfigError(f"config.json layer_types has {', '.join(map(repr, unknown))}, which evalrun does not "
                           f"implement (known: {', '.join(LAYER_TYPES)})")
-    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    windows = tuple(window if t == "sliding_attention" and window < context else 0 for t in types)
     return windows if any(windows) else ()
 
 
@@ -310,8 +331,7 @@ def _rope(raw: dict[str, Any], layer_type: Optional[str] = None) -> RopeConfig:
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings",
-                                                    raw.get("original_max_position_embeddings")),
+        original_max_position_embeddings=_original_context(raw, params),
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
         attention_factor=_longrope_attention(raw, params) if rope_type == "longrope" else 1.0,
     )
@@ -342,13 +362,19 @@ def _rotary_dim(raw: dict[str, Any], head_dim: int) -> int:
     return dim
 
 
-def _context(raw: dict[str, Any]) -> int:
+def _original_context(raw: dict[str, Any], params: dict[str, Any]) -> Optional[int]:
+    """The pretraining context of a scaled rope, as transformers resolves it: the config's top-level
+    original_max_position_embeddings first (Phi-3 saves it there), then the rope's own, then
+    max_position_embeddings."""
+    value = raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    return int(value or raw.get("max_position_embeddings", 2048))
+
+
+def _context(raw: dict[str, Any], rope: "RopeConfig") -> int:
     """max_position_embeddings, or for longrope the original context its short factors cover."""
     limit = int(raw.get("max_position_embeddings", 2048))
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("longrope", "su"):
-        original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-        limit = min(limit, int(original or limit))
+    if rope.rope_type == "longrope" and rope.original_max_position_embeddings:
+        limit = min(limit, rope.original_max_position_embeddings)
     return limit
 
 

@@ -291,9 +291,11 @@ def _build(cfg: ModelConfig, r: WeightReader, dtype: torch.dtype, device: torch.
     q_rows, kv_rows, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
 
     def norm(name: str, size: int, norm_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """An RMSNorm weight; Gemma's (1 + w), computed in float32 then stored in the norm's dtype."""
-        w = r.get(name, (size,), dtype=torch.float32 if cfg.norm_offset else norm_dtype)
-        return (1.0 + w).to(norm_dtype or dtype) if cfg.norm_offset else w
+        """An RMSNorm weight; Gemma's (1 + w) computed and kept in float32, as transformers multiplies
+        it (every kernel's RMSNorm takes float32 weights and rounds its output once)."""
+        if cfg.norm_offset:
+            return 1.0 + r.get(name, (size,), dtype=torch.float32)
+        return r.get(name, (size,), dtype=norm_dtype)
 
     def biases(prefix: str, names: tuple[str, ...], sizes: tuple[int, ...], present: bool) -> Optional[torch.Tensor]:
         """The named projections' biases, concatenated (None where the config has none)."""

@@ -175,7 +175,8 @@ class DecodeStep:
                 return False
             if any(t is not None and tuple(t.shape) != (hidden,) for t in (p.attn_out_norm, p.mlp_out_norm)):
                 return False
-            if not all(t is None or (t.dtype == dtype and t.shape == (hidden,)) for t in (p.input_norm, p.post_norm)):
+            if not all(t is None or (t.dtype in (dtype, torch.float32) and t.shape == (hidden,))
+                       for t in (p.input_norm, p.post_norm)):
                 return False
             kv = p.kv
             if kv.fmt.quantized or kv.fmt.window or kv.k.dtype not in PAGE_KINDS or kv.v.dtype != kv.k.dtype:

@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's rows; float32 weights with 16-bit rows (Gemma's (1 + w)): in float32, rounded once."""
+    if w.dtype != x.dtype:
+        return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 

@@ -167,11 +167,12 @@ static void head_rows(const void *cache, const uint16_t *scales, int kind, int G
     }
 }
 
-/* What a thread's scratch holds of the K and V rows: positions [0, n) of sequence b's head h. The
- * tasks of one head and sequence come in position order, so a thread that claims the next one
- * converts only the keys it adds (conversion is exact: a row's values do not depend on it). */
+/* What a thread's scratch holds of the K and V rows: positions [lo, n) of sequence b's head h (lo:
+ * 0, or under a sliding window the first key a task needed). The tasks of one head and sequence
+ * mostly come in position order, so a thread that claims the next one converts only the keys it
+ * adds (conversion is exact: a row's values do not depend on it). */
 typedef struct {
-    int b, h, n;
+    int b, h, lo, n;
 } HeadRows;
 
 #include "paged_prefill_tiles.h"     /* score_tile, value_tile and their tables */
@@ -325,7 +326,9 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     float *qt = scratch + 4 * lmax, *sc = qt + rp * D, *kb = sc + lmax * rp, *vb = kb + lmax * D;
     float *lim = vb + lmax * D, *inv = lim + rp, *wlo = inv + rp, *acc = inv + 2 * rp;
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
-    if (have->b != b || have->h != h) *have = (HeadRows){b, h, 0};
+    /* a task reads keys [kfirst, nk): kept rows serve if they start at or before kfirst and reach it
+     * (under a window the keys before kfirst are never converted: a chunked prefill stays linear) */
+    if (have->b != b || have->h != h || kfirst < have->lo || kfirst > have->n) *have = (HeadRows){b, h, kfirst, kfirst};
     if (have->n < nk) {
         head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, have->n, nk, h, D, W, kb, kr);
         head_rows(a->v, a->v_scale, a->v_kind, a->G, pages, a->S, have->n, nk, h, D, W, vb, vr);
@@ -334,9 +337,9 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     /* rows r = j * G + g: position start + i0 + j, query head h * G + g; padding rows are zero */
     const int64_t first_row = ((int64_t)(a->q_start[b] + i0) * a->Hq + h * G) * D;   /* of row 0 in q and out */
     for (int r = 0; r < rp; r++) {
-        const int pos = r < R ? start + i0 + r / G : kfirst;     /* padding rows see the first key */
+        const int pos = r < R ? start + i0 + r / G : kfirst;     /* padding rows see the first key only */
         lim[r] = (float)(pos + 1);
-        wlo[r] = (float)(a->sliding > 0 && pos + 1 > a->sliding ? pos + 1 - a->sliding : 0);
+        wlo[r] = r < R ? (float)(a->sliding > 0 && pos + 1 > a->sliding ? pos + 1 - a->sliding : 0) : (float)kfirst;
     }
     transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, qt);
     const vec sv = VSET1(a->scale);
@@ -378,7 +381,7 @@ static void pool_task(void *ctx, int tid, int nth) {
     (void)nth;
     const Args *a = (const Args *)ctx;
     float *scratch = a->scratch + (int64_t)tid * paged_prefill_scratch_floats(a->Hq, a->Hkv, a->D, a->lmax, a->k_kind, a->v_kind);
-    HeadRows have = {-1, -1, 0};
+    HeadRows have = {-1, -1, 0, 0};
     /* its own range first, in order (one conversion per head mostly), then what is left of the others' */
     for (int k = 0; k < a->nranges; k++) {
         Range *r = &a->ranges[(tid + k) % a->nranges];
