@@ -255,29 +255,7 @@ static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, co
     }
 }
 
-/* Under a sliding window: row r (lane) sees keys lo[r] <= p < lim[r] only, the window's start
- * below and its position above; keys [kb, nk) are the task's. Lane by lane (windowed layers only):
- * the same steps as softmax_rows for each lane, its unseen keys weighing 0. */
-static void softmax_rows_window(float *sc, int64_t rp, int nvec, int kb, int nk, const float *lo, const float *lim,
-                                float *inv) {
-    for (int r = 0; r < nvec * VW; r++) {
-        const int a = (int)lo[r], b = (int)lim[r];
-        float m = -INFINITY, sum = 0.0f;
-        for (int p = a; p < b; p++) m = sc[p * rp + r] > m ? sc[p * rp + r] : m;
-        for (int p = kb; p < nk; p++) {
-            const float w = p >= a && p < b ? expf(sc[p * rp + r] - m) : 0.0f;
-            sc[p * rp + r] = w;
-            sum = sum + w;
-        }
-        inv[r] = 1.0f / sum;
-    }
-}
-
-/* Soft-capping of the task's scores in place: s = c * tanh(s / c), over keys [kb, nk) and every lane. */
-static void cap_rows(float *sc, int64_t rp, int nvec, int kb, int nk, float cap) {
-    for (int p = kb; p < nk; p++)
-        for (int r = 0; r < nvec * VW; r++) sc[p * rp + r] = tanhf(sc[p * rp + r] / cap) * cap;
-}
+#include "paged_prefill_window.h"   /* softmax_rows_window, cap_rows */
 
 /* qt [D][rp] = the task's R query rows transposed (row r = j * G + g at q + j * ldj + g * D), rows
  * R .. nvec * VW - 1 zero. */
