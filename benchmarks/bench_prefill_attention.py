@@ -57,6 +57,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
     parser.add_argument("--baseline-source", type=Path, default=None,
                         help="another paged_prefill.c to time against the current one")
     parser.add_argument("--no-sdpa", action="store_true", help="leave out the torch reference side")
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="a layer's sliding window on every side (0: none; Gemma 3's is 512)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR / f"{NAME}.json",
                         help=f"JSON result file (default: bench_out/{NAME}.json)")
     return parser.parse_args(argv)
@@ -140,11 +142,12 @@ def run_shape(name: str, kv: str, baseline: Optional[ctypes.CDLL], args: Any) ->
     q, layer, meta = case(lens, q_lens, kv=kv)
     scale = D ** -0.5
     seqs = paged_prefill.Sequences.of(meta.page_table, meta.seq_lens_k, meta.cu_seqlens_q.diff())
-    sides = {"native": lambda: paged_prefill._call(q, layer, seqs, scale)}
+    w = args.sliding_window
+    sides = {"native": lambda: paged_prefill._call(q, layer, seqs, scale, sliding_window=w)}
     if baseline is not None:
-        sides["baseline"] = lambda: paged_prefill._call(q, layer, seqs, scale, lib=baseline)
+        sides["baseline"] = lambda: paged_prefill._call(q, layer, seqs, scale, lib=baseline, sliding_window=w)
     if not args.no_sdpa:
-        sides["sdpa"] = lambda: attend(q, layer, meta, scale)
+        sides["sdpa"] = lambda: attend(q, layer, meta, scale, sliding_window=w)
     med = alternate(sides, args.rounds, args.repeat)
     flops = causal_flops(lens, q_lens)
     out = sides["native"]()
