@@ -14,16 +14,17 @@ means that op fell back to the torch reference.
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.bench_decode import humaneval_prompts
+from benchmarks import bench_decode
+from benchmarks.bench_decode import humaneval_prompts, run_ours
 from benchmarks.common import CACHE_MODE, base_parser, describe_dtype, dtype_fields, positive_int, start_run, write_result
 from evalrun.demo import default_cache_dir
-from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache
+from evalrun.engine import Model, Tokenizer
+from evalrun.engine.cache import resolve_format
 
 SIZES = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
              head_dim=64, intermediate_size=1536, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -52,18 +53,13 @@ def build(family: str, root: Path) -> Path:
     return path
 
 
-def decode(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int, mode: str) -> dict[str, Any]:
-    cache = PagedCache(model, max_tokens=len(prompts) * (max(map(len, prompts)) + new_tokens + 256), page_size=256,
-                       mode=mode)
-    gen = DynamicGenerator(model, cache)
-    t = time.perf_counter()
-    gen.enqueue([DynamicJob(list(p), max_new_tokens=new_tokens, min_new_tokens=new_tokens, identifier=i)
-                 for i, p in enumerate(prompts)])
-    produced = 0
-    while gen.num_remaining_jobs():
-        produced += sum(len(r["token_ids"]) for r in gen.iterate())
-    seconds = time.perf_counter() - t
-    return {"seconds": seconds, "tokens": produced, "tokens_per_s": produced / seconds, "plan": cache.kernels.describe()}
+def decode(model: Model, tokenizer: Tokenizer, prompts: list[list[int]], decode_args: Any) -> dict[str, Any]:
+    """bench_decode's run of ours (EOS banned for the T tokens, a prefaulted cache) on this model."""
+    run = run_ours(decode_args, model, tokenizer, prompts)
+    tokens = sum(len(c) for c in run["completions"])
+    page = decode_args.page_size
+    plan = model.kernel_plan(resolve_format(CACHE_MODE[decode_args.dtype], page), page).describe()
+    return {"seconds": run["seconds"], "tokens": tokens, "tokens_per_s": tokens / run["seconds"], "plan": plan}
 
 
 def fallbacks(plan: dict[str, str]) -> list[str]:
@@ -83,16 +79,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.n)]
     args.models_dir.mkdir(parents=True, exist_ok=True)
     models = {f: Model.load(build(f, args.models_dir), dtype=args.dtype) for f in FAMILIES}
-    mode = CACHE_MODE[args.dtype]
+    runs_args = bench_decode.parse_args(["--dtype", args.dtype, "--n", str(args.n), "--new-tokens", str(args.new_tokens)])
+    warm_args = bench_decode.parse_args(["--dtype", args.dtype, "--n", "2", "--new-tokens", "4"])
     print(f"decode: {len(prompts)} HumanEval prompts x {args.new_tokens} new tokens, {describe_dtype(args)}, "
           f"{args.rounds} rounds, families alternating")
     for f, m in models.items():                                          # warm-up: builds, first-touch pages
-        decode(m, prompts[:2], 4, mode)
+        decode(m, tokenizer, prompts[:2], warm_args)
     runs: dict[str, list[dict[str, Any]]] = {f: [] for f in FAMILIES}
     for r in range(args.rounds):
         order = list(FAMILIES) if r % 2 == 0 else list(reversed(FAMILIES))
         for f in order:
-            runs[f].append(decode(models[f], prompts, args.new_tokens, mode))
+            runs[f].append(decode(models[f], tokenizer, prompts, runs_args))
         print(f"  round {r}: " + ", ".join(f"{f} {runs[f][-1]['tokens_per_s']:.1f} tok/s" for f in FAMILIES))
     result: dict[str, Any] = {"benchmark": "families-decode", "machine": info, **dtype_fields(args),
                               "n": len(prompts), "new_tokens": args.new_tokens, "families": {}}

@@ -268,7 +268,6 @@ class Model:
             o, x = o.index_select(0, keep), x.index_select(0, keep)
         return self._add_output(x, o, layer.wo, layer.attn_out_norm, plan)
 
-
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights, plan: KernelPlan) -> torch.Tensor:
         """RMSNorm of every q head and every k head of qkv [T, (Hq + 2 Hkv) D] over its D values
         (Qwen3, Gemma 3), or of the whole q and k projections (OLMo 2), before rope; v is left as it is."""

@@ -108,18 +108,13 @@ class KernelPlan:
 
 
 # --- op builders: each returns the op's callable, made once per plan ---------------------------
-def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate, prefill: Optional[Callable] = None,
-               variant_decode: Optional[Callable] = None, variant_prefill: Optional[Callable] = None
-               ) -> Callable[..., torch.Tensor]:
-    """Layers without a window or soft-capping: decode / prefill (None: the references); with
-    either (variant layers): variant_decode and variant_prefill (None: the references, SDPA with
-    the window's mask or the capped scores written out)."""
+def _attention(decode: Optional[Callable] = None, rotation: Callable = rotate,
+               prefill: Optional[Callable] = None) -> Callable[..., torch.Tensor]:
+    """decode / prefill (None: the references), which take a layer's sliding window and soft-capping."""
     def attention(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: float,
                   k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
                   sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        if sliding_window or softcap:
-            return attend(q, layer, meta, scale, variant_decode, rotation, k, v, variant_prefill, sliding_window, softcap)
-        return attend(q, layer, meta, scale, decode, rotation, k, v, prefill)
+        return attend(q, layer, meta, scale, decode, rotation, k, v, prefill, sliding_window, softcap)
     return attention
 
 
@@ -154,10 +149,11 @@ def _rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return q, None, None                 # a float cache: attention reads k, v from the pages
 
 
-def _gate_up_silu(silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
-    def gate_up_silu(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-        return silu_mul(linear(h, gate_up))
-    return gate_up_silu
+def _gated(act_mul: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
+    """The fused gate/up projection, then act(gate) * up (silu_mul, gelu_tanh_mul)."""
+    def gate_up_act(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+        return act_mul(linear(h, gate_up))
+    return gate_up_act
 
 
 def _gate_up_silu_gemm(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
@@ -195,8 +191,8 @@ class TorchKernels:
         if key.act == "gelu_tanh":
             names["gate_up_gelu"] = "torch"
         return KernelPlan(self.name, write_kv_torch, copy_page_prefix_torch, _attention(), _rope_write(write_kv_torch),
-                          rms_norm_reference, rms_norm_reference, _gate_up_silu(silu_mul_reference), False, False,
-                          names, gate_up_gelu=_gate_up_silu(gelu_tanh_mul_reference))
+                          rms_norm_reference, rms_norm_reference, _gated(silu_mul_reference), False, False,
+                          names, gate_up_gelu=_gated(gelu_tanh_mul_reference))
 
     # one op on one layer, through the plan of its key (tests and benchmarks; the engine calls its plan)
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
@@ -249,10 +245,10 @@ class NativeCpuKernels(TorchKernels):
             norm = _rms_norm_f32_rows if bf16_gemm else native_fused.rms_norm_native
         head = native_fused.rms_norm_native if fused_ok else rms_norm_reference
         silu = native_fused.silu_mul_native if fused_ok and f32 else silu_mul_reference
-        gate_up, names["gate_up_silu"] = _gate_up_silu(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
+        gate_up, names["gate_up_silu"] = _gated(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
         if fused_ok and f32 and key.linear == "native-gemm" and gemm.silu_fusable(key.intermediate_size):
             gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
-        gelu = _gate_up_silu(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference)
+        gelu = _gated(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference)
         if key.act == "gelu_tanh":
             names["gate_up_gelu"] = "native-c gelu_tanh" if fused_ok and f32 else "torch"
         names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
@@ -261,7 +257,7 @@ class NativeCpuKernels(TorchKernels):
                 and decode_step.available())
         names["decode_step"] = "native-c" if step else "off"
         names["stream"] = "float32" if bf16_gemm else names["stream"]
-        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill, decode, prefill), rope,
+        return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill), rope,
                           norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None, gelu)
 
 
@@ -285,7 +281,7 @@ class TritonKernels(TorchKernels):
         attention = ref.attention
         if key.dtype in triton_attention._FLOATS and _heads_fit(key):
             if fmt.window:           # the window's prefill stays with the reference (SDPA)
-                attention = _attention(triton_attention.decode_triton, variant_decode=triton_attention.decode_triton)
+                attention = _attention(triton_attention.decode_triton)
                 names["decode_attention"], names["prefill_attention"] = "triton", "torch-sdpa"
             else:
                 attention = _triton_attention

@@ -140,13 +140,27 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
         profile_s[i] += t1 - t0;                                                                  \
         t0 = t1;                                                                                  \
     }
+/* a sublayer's input: rms_norm(x) into h, or x itself where it has no norm (OLMo 2) */
+#define NORMED_INPUT(norm)                                                                        \
+    hin = x;                                                                                      \
+    if (norm) {                                                                                   \
+        STAGE(0, rms_norm_f32(x, norm, h, T, H, m->eps, norm_threads))                            \
+        hin = h;                                                                                  \
+    }
+/* x += in W^T (+ bias), the add in the GEMM's epilogue; with an output norm (Gemma, OLMo 2) the
+ * projection goes into h, is normed there and added (the per-op path's Model._add_output) */
+#define ADD_OUTPUT(stage, in, K, w, bias, norm)                                                   \
+    if (norm) {                                                                                   \
+        STAGE(stage, step_gemm(m, in, T, K, w, H, bias, 0, h, nthreads))                          \
+        STAGE(0, rms_norm_f32(h, norm, h, T, H, m->eps, norm_threads))                            \
+        for (int64_t i = 0; i < TH; i++) x[i] = x[i] + h[i];                                      \
+    } else {                                                                                      \
+        STAGE(stage, step_gemm(m, in, T, K, w, H, bias, x, x, nthreads))                          \
+    }
     for (int l = 0; l < m->L; l++) {
         const DecodeLayer *ly = &m->layers[l];
-        const float *hin = x;        /* the attention's input: normed, or x itself (OLMo 2) */
-        if (ly->input_norm) {
-            STAGE(0, rms_norm_f32(x, ly->input_norm, h, T, H, m->eps, norm_threads))
-            hin = h;
-        }
+        const float *hin;
+        NORMED_INPUT(ly->input_norm)
         STAGE(1, step_gemm(m, hin, T, H, ly->wqkv, Q, ly->bqkv, 0, qkv, nthreads))
         if (ly->q_norm) {            /* each token's q heads, then its k heads (rows of D, or one row each) in place */
             const int qr = ly->qk_whole ? 1 : Hq, kr = ly->qk_whole ? 1 : Hkv, qc = Hq * D / qr, kc = Hkv * D / kr;
@@ -165,32 +179,18 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
         STAGE(3, paged_decode(q, ly->k_pages, ly->v_pages, 0, 0, kind, kind, 0, page_table, max_pages,
                               seq_lens, o, T, Hq, Hkv, D, m->S, m->scale, scratch, lmax, attn_threads, 0, 0, 0, 0,
                               0, 0, ly->sliding, ly->softcap))
-        if (ly->attn_out_norm) {     /* x + norm(o Wo^T): the projection into h, normed, added */
-            STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, 0, h, nthreads))
-            STAGE(0, rms_norm_f32(h, ly->attn_out_norm, h, T, H, m->eps, norm_threads))
-            for (int64_t i = 0; i < TH; i++) x[i] = x[i] + h[i];
-        } else {
-            STAGE(4, step_gemm(m, o, T, Hq * D, ly->wo, H, ly->bo, x, x, nthreads))
-        }
-        hin = x;                     /* the MLP's input */
-        if (ly->post_norm) {
-            STAGE(0, rms_norm_f32(x, ly->post_norm, h, T, H, m->eps, norm_threads))
-            hin = h;
-        }
+        ADD_OUTPUT(4, o, Hq * D, ly->wo, ly->bo, ly->attn_out_norm)
+        NORMED_INPUT(ly->post_norm)
         if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
             STAGE(5, gemm_silu_f32(hin, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
         } else {
             STAGE(5, step_gemm(m, hin, T, H, ly->w_gate_up, 2 * I, ly->b_gate_up, 0, gu, nthreads))
             STAGE(6, m->act ? gelu_tanh_mul_f32(gu, act, T, I, act_threads) : silu_mul_f32(gu, act, T, I, act_threads))
         }
-        if (ly->mlp_out_norm) {
-            STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, ly->b_down, 0, h, nthreads))
-            STAGE(0, rms_norm_f32(h, ly->mlp_out_norm, h, T, H, m->eps, norm_threads))
-            for (int64_t i = 0; i < TH; i++) x[i] = x[i] + h[i];
-        } else {
-            STAGE(7, step_gemm(m, act, T, I, ly->w_down, H, ly->b_down, x, x, nthreads))
-        }
+        ADD_OUTPUT(7, act, I, ly->w_down, ly->b_down, ly->mlp_out_norm)
     }
+#undef ADD_OUTPUT
+#undef NORMED_INPUT
 #undef STAGE
     return 0;
 #else
