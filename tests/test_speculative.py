@@ -168,7 +168,7 @@ def test_draft_tokens_travel_in_the_step_chunks(tiny, oracle, monkeypatch):
     seen = []
     real_build = generator_module.build_forward_batch
 
-    def build(chunks, cache, device):
+    def build(chunks, cache, device, **kwargs):
         assert sum(ch.num_rows for ch in chunks) <= gen.scheduler.max_chunk_size
         for ch in chunks:
             if ch.draft:
@@ -178,7 +178,7 @@ def test_draft_tokens_travel_in_the_step_chunks(tiny, oracle, monkeypatch):
                 ref_next = oracle.reference[tuple(job.prompt_ids)][kept: kept + len(ch.draft)]
                 assert list(ch.draft) == [(t + 1) % 50 + 3 if oracle.wrong(kept + i) else t
                                           for i, t in enumerate(ref_next)]        # the oracle's rule
-        return real_build(chunks, cache, device)
+        return real_build(chunks, cache, device, **kwargs)
     monkeypatch.setattr(generator_module, "build_forward_batch", build)
     jobs = greedy_jobs(prompts, 12)
     got = run_jobs(gen, jobs)

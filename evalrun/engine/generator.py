@@ -18,7 +18,7 @@ from .scheduler import ScheduledChunk, Scheduler
 from .speculation import DraftPolicy, SpecSettings, max_draft
 from .tokenizer import Tokenizer
 from .types import GeneratorResult, GeneratorStats
-from .verify import check_rows, choose_tokens
+from .verify import check_rows, choose_tokens, score_prompt_rows
 
 _COUNTERS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "generated_tokens",
              "peak_batch_size", "forward_passes", "drafted_tokens", "accepted_draft_tokens")
@@ -143,8 +143,14 @@ class DynamicGenerator:
         for copy in sched.take_copies(jobs):
             self.cache.copy_prefix(copy.src_page, copy.dst_page, copy.num_tokens)
         sched.copies_done(jobs)
-        batch, sampled = build_forward_batch(chunks, self.cache, self.model.device)
+        batch, sampled, scores = build_forward_batch(chunks, self.cache, self.model.device, with_scores=True)
         logits = self.model.forward(batch, self.cache)                        # [N, V] float32
+        if scores is not None:                          # prompt tokens of jobs with score_from
+            rows = logits.index_select(0, torch.tensor(scores.rows, dtype=torch.long, device=logits.device))
+            values, greedy = score_prompt_rows(scores.jobs, scores.targets, rows)
+            for job, value, top in zip(scores.jobs, values, greedy):
+                self.outputs[id(job)].scored(value, top)
+            logits = logits.index_select(0, scores.sample_rows)
         self.counters["forward_passes"] += 1
         rows, drafted = sum(ch.num_rows for ch in chunks), any(ch.draft for ch in chunks)
         for ch in chunks:

@@ -24,10 +24,21 @@ class DynamicJob:
                  stop_conditions: Optional[Sequence[int | str]] = None,
                  gen_settings: Optional[SamplerSettings] = None, seed: Optional[int] = None,
                  identifier: Any = None, return_logits: bool = False, return_top_tokens: int = 0,
-                 return_probs: bool = False, decode_special_tokens: bool = False):
+                 return_probs: bool = False, decode_special_tokens: bool = False,
+                 score_from: Optional[int] = None):
+        """score_from: also score the prompt from this position on: the final result carries
+        `prompt_logprobs` (each prompt token's float32 log-softmax log-probability given the tokens
+        before it, positions score_from .. prompt_len - 1) and `prompt_greedy` (whether it was the
+        argmax), as a log-likelihood request needs. Those positions are always computed by this
+        job (a cached prefix is reused only before position score_from - 1)."""
         self.prompt_ids = _as_id_list(input_ids)
         if not self.prompt_ids:
             raise ValueError("empty prompt: a job needs at least one input token")
+        if score_from is not None:
+            _check_int("score_from", score_from, 1)
+            if score_from > len(self.prompt_ids):
+                raise ValueError(f"score_from ({score_from}) is past the prompt's {len(self.prompt_ids)} tokens")
+        self.score_from = score_from
         _check_int("max_new_tokens", max_new_tokens, 1)
         _check_int("min_new_tokens", min_new_tokens, 0)
         _check_int("return_top_tokens", return_top_tokens, 0)
@@ -58,6 +69,12 @@ class DynamicJob:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def reuse_limit(self) -> int:
+        """Prompt positions before this one may come from the cache (the rest are computed here)."""
+        last = len(self.prompt_ids) - 1
+        return last if self.score_from is None else min(last, self.score_from - 1)
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)

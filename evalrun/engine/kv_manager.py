@@ -76,14 +76,17 @@ class KVManager:
         return -(-max_tokens // self.pool.page_size)
 
     # --- admit ---------------------------------------------------------------
-    def admit(self, prompt_ids: Sequence[int], max_tokens: int) -> Optional[KVAllocation]:
+    def admit(self, prompt_ids: Sequence[int], max_tokens: int,
+              reuse_limit: Optional[int] = None) -> Optional[KVAllocation]:
         """Reserve pages for max_tokens positions of a job with this prompt (None, with nothing
-        held, when they do not fit)."""
+        held, when they do not fit); at most its first reuse_limit positions (default: all but the
+        last prompt token) come from the cache."""
         pool, ps = self.pool, self.pool.page_size
         if self.window and not self.free_windows:
             return None                              # every block of the window store is in use
         prompt_len = len(prompt_ids)
-        match = pool.match_prefix(prompt_ids, prompt_len - 1)
+        limit = prompt_len - 1 if reuse_limit is None else min(reuse_limit, prompt_len - 1)
+        match = pool.match_prefix(prompt_ids, limit)
         copy_tokens = match.copy_tokens - match.copy_tokens % self.window if self.window else match.copy_tokens
         copy = match.copy_page if copy_tokens else None
         # NOTE: every page the job reads is held before allocating, so that the allocation

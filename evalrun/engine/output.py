@@ -27,7 +27,14 @@ class JobOutput:
         self.decoder = StreamingDecoder(tokenizer, job.decode_special_tokens) if tokenizer else None
         self.matcher = StopStringMatcher(job.stop_strings) if job.stop_strings else None
         self.text: list[str] = []
+        self.prompt_logprobs: list[float] = []      # score_from jobs: per scored prompt token, in order
+        self.prompt_greedy: list[bool] = []
         job.state.time_enqueued = time_enqueued
+
+    def scored(self, logprob: float, greedy: bool) -> None:
+        """The next scored prompt token's log-probability, and whether it was the argmax."""
+        self.prompt_logprobs.append(logprob)
+        self.prompt_greedy.append(greedy)
 
     def start(self, now: float) -> None:
         """The job was admitted: its prefill starts."""
@@ -104,6 +111,8 @@ class JobOutput:
             drafted_tokens=st.draft.drafted,
             accepted_draft_tokens=st.draft.accepted,
         )
+        if self.job.score_from is not None:
+            result.update(prompt_logprobs=list(self.prompt_logprobs), prompt_greedy=list(self.prompt_greedy))
 
 
 # --- a draft model's mirror job (evalrun/engine/draft_model.py) -------------------------------------

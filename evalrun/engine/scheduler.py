@@ -99,7 +99,7 @@ class Scheduler:
     def start(self, job: DynamicJob) -> bool:
         """Make the job active if its pages fit (the queue's admission; a draft model's mirror
         jobs start here directly). Its computed count starts at the cached prefix."""
-        alloc = self.kv.admit(job.prompt_ids, job.max_total_tokens)
+        alloc = self.kv.admit(job.prompt_ids, job.max_total_tokens, job.reuse_limit)
         if alloc is None:
             return False
         job.state.kv = alloc

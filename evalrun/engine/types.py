@@ -33,6 +33,9 @@ class GeneratorResult(_ResultBase, total=False):
                                   # them made finite: the tokens of such a job are not to be trusted)
     drafted_tokens: int           # speculative draft tokens the target verified for this job
     accepted_draft_tokens: int    # of them, kept (each saved one forward of the target)
+    prompt_logprobs: list[float]  # with score_from: log p(prompt token | the tokens before it), float32
+                                  # log-softmax, for positions score_from .. prompt_len - 1
+    prompt_greedy: list[bool]     # with score_from: whether each of those tokens was the argmax
 
 
 class GeneratorStats(TypedDict):

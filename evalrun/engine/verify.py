@@ -44,6 +44,26 @@ def mark_nonfinite(jobs: list[DynamicJob], logits: torch.Tensor,
     return logits
 
 
+def score_prompt_rows(jobs: list[DynamicJob], targets: list[int], logits: torch.Tensor,
+                      block: int = 256) -> tuple[list[float], list[bool]]:
+    """Each row's float32 log-softmax log-probability of its target token, and whether the target
+    is the row's argmax (lm-eval's `is_greedy`: the first maximum of the log-probabilities); a row
+    whose logits hold a NaN or an Inf counts in its job's nonfinite_logits (its value stays NaN or
+    -inf: the score of a broken model is not made finite). In blocks of rows (a long prompt's rows
+    at once would double the logits' memory)."""
+    values: list[float] = []
+    greedy: list[bool] = []
+    for b in range(0, len(targets), block):
+        rows = logits[b: b + block].float()
+        lp = torch.log_softmax(rows, dim=-1)
+        t = torch.tensor(targets[b: b + block], dtype=torch.long, device=rows.device)
+        values += lp.gather(1, t[:, None])[:, 0].tolist()
+        greedy += (lp.argmax(dim=-1) == t).tolist()
+        for i in (~torch.isfinite(rows).all(dim=-1)).nonzero().flatten().tolist():
+            jobs[b + i].state.nonfinite_logits += 1
+    return values, greedy
+
+
 def check_rows(row_jobs: list[DynamicJob], logits: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """mark_nonfinite(row_jobs, logits), and where some row's job is plain greedy, every row's
     argmax from the same visit of the rows (kernels.cpu.fused.argmax_finite_rows: one pass over the
