@@ -20,7 +20,9 @@ OPTIONAL = {"ray", "triton", "flash_attn", "transformers", "gguf",
             # the hub path only: a run from local files never pays their import
             "datasets", "huggingface_hub",
             # the HTML report only (`compare --format html`): 0.45 s of import no other command pays
-            "matplotlib"}
+            "matplotlib",
+            # `evalrun task` only (the extra evalrun[lm-eval]): lm-eval's task configurations and metrics
+            "lm_eval"}
 # Files run as scripts in another interpreter (the sandbox's child): not part of the import graph.
 SCRIPTS = {"evalrun/tasks/sandbox/sources.py"}
 # The modules whose text runs in the sandbox's bare child interpreter for every check

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from evalrun.engine import DynamicJob, Model
-from tests.engine_helpers import make_generator, run_jobs
+from engine_helpers import make_generator, run_jobs
 
 
 def _reference(ref, ids: list[int], start: int) -> tuple[list[float], list[bool]]:

@@ -99,7 +99,7 @@ class DynamicGenerator:
         if not isinstance(job, DynamicJob):
             raise TypeError(f"enqueue takes DynamicJob objects, got {type(job).__name__}")
         total, limit = job.max_total_tokens, self.model.max_seq_len
-        if total > limit:
+        if total - 1 > limit:               # (the last token sampled is never run: it needs no position)
             raise ValueError(f"prompt too long: {job.prompt_len} prompt tokens + {job.max_new_tokens} "
                              f"max_new_tokens = {total} tokens exceeds the model's max_seq_len of {limit}")
         if self.scheduler.pages_needed(job) > self.cache.num_pages:

@@ -147,6 +147,18 @@ class Tokenizer:
                 self._hf.encode_special_tokens = True
         return [self.bos_token_id, *ids] if add_bos else list(ids)
 
+    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids transformers' tokenizer gives for `text` (`tokenizer.encode(text)`): special-token
+        strings are their ids, and add_special_tokens applies the tokenizer's post-processor (a
+        Llama 3 or Gemma tokenizer adds its BOS; SmolLM2's adds nothing). lm-eval's HF backend
+        tokenizes this way."""
+        with self._lock:
+            self._hf.encode_special_tokens = False
+            try:
+                return list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+            finally:
+                self._hf.encode_special_tokens = True
+
     def decode(self, ids: Sequence[int], decode_special_tokens: bool = False) -> str:
         """Text for `ids`; special tokens are skipped unless `decode_special_tokens`."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=not decode_special_tokens)

@@ -122,7 +122,7 @@ def score_plans(task: Task, plans: list[DocPlan], emit: Callable[[dict[str, Any]
 def _job(r: Request, identifier: Any) -> DynamicJob:
     return DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
                       stop_conditions=list(r.stop_conditions), gen_settings=r.sampler, seed=r.seed,
-                      identifier=identifier)
+                      identifier=identifier, score_from=r.score_from)
 
 
 def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: RunTotals, out: _Emitter,
@@ -131,7 +131,8 @@ def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: Run
     entry = pending[index]
     entry.answers.append(Answer(request, result["job"].state.new_ids, result["full_completion"],
                                 result.get("logits"), result["prompt_tokens"], result["cached_tokens"],
-                                result.get("eos_reason"), result.get("nonfinite_logits", 0)))
+                                result.get("eos_reason"), result.get("nonfinite_logits", 0),
+                                result.get("prompt_logprobs"), result.get("prompt_greedy")))
     totals.prompt_tokens += result["prompt_tokens"]
     totals.cached_tokens += result["cached_tokens"]
     if len(entry.answers) < len(entry.plan.requests):

@@ -47,6 +47,7 @@ class Request:
     stop_conditions: tuple[int | str, ...] = ()     # stop token ids and stop strings
     sampler: Optional[SamplerSettings] = None       # None: greedy
     seed: Optional[int] = None
+    score_from: Optional[int] = None                # also score the prompt from here (DynamicJob.score_from)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Answer:
     cached_tokens: int
     stop_reason: Optional[str] = None   # "stop_token" | "stop_string" | "max_new_tokens"
     nonfinite_logits: int = 0           # positions whose logits held a NaN or Inf (a broken model)
+    prompt_logprobs: Optional[list[float]] = None   # with Request.score_from
+    prompt_greedy: Optional[list[bool]] = None
 
 
 @dataclass

@@ -7,15 +7,16 @@ parser, unregister(name) after.
 """
 from __future__ import annotations
 
-from . import humaneval_spec, mmlu
+from . import humaneval_spec, lm_eval_spec, mmlu
 from .spec import CliArg, Grouping, RunReport, TaskContext, TaskSpec
 
-__all__ = ["CliArg", "Grouping", "RunReport", "TaskContext", "TaskSpec", "MMLU", "HUMANEVAL", "register",
+__all__ = ["CliArg", "Grouping", "RunReport", "TaskContext", "TaskSpec", "MMLU", "HUMANEVAL", "LM_EVAL", "register",
            "unregister", "task_spec", "task_specs", "runnable_specs"]
 
 MMLU = mmlu.SPEC
 HUMANEVAL = humaneval_spec.SPEC
-BUILTIN = (MMLU, HUMANEVAL)                 # one line per task
+LM_EVAL = lm_eval_spec.SPEC                 # `evalrun task --tasks ...`: lm-eval's YAML tasks
+BUILTIN = (MMLU, HUMANEVAL, LM_EVAL)        # one line per task
 
 _TASKS: dict[str, TaskSpec] = {s.name: s for s in BUILTIN}
 

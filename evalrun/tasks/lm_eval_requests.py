@@ -1,0 +1,119 @@
+"""lm-eval's requests as engine Requests, tokenized as lm-eval 0.4.13's HF backend tokenizes them
+(lm_eval/api/model.py TemplateLM.loglikelihood/_encode_pair, lm_eval/models/huggingface.py), and the
+engine's answers back as the responses lm-eval's filters and metrics take.
+
+    loglikelihood (context, continuation)   trailing spaces of the context move to the continuation;
+        context + continuation is encoded whole and split at the context's own length; an empty
+        context is the prefix token (BOS, else EOS). The input is (context + continuation), left-cut
+        to max_length + 1 tokens, without its last token: the engine scores the continuation's
+        tokens in the prompt's prefill (Request.score_from) and its last one from the sampled
+        position's logits. -> (sum of log-probabilities, every token greedy)
+    loglikelihood_rolling (text,)   lm-eval's rolling windows of max_length (context_len 1), each one
+        such request. -> summed log-probability
+    generate_until (context, gen_kwargs)   the context left-cut to max_length - max_gen_toks; stop at
+        `until` and the EOS text; text decoded without special tokens, cut at each stop string.
+
+Requests of one document with the same input and scored span are asked once (a multiple-choice
+question with single-token choices is one job: lm-eval's `logits_cache`, generalised by the
+engine's prefix sharing of the other choices' common context).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from evalrun.engine import SamplerSettings
+
+from .base import Answer, Request
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """What lm-eval's HF backend knows of the model for building its inputs."""
+    tokenizer: Any                  # evalrun.engine.Tokenizer
+    max_length: int                 # the model's context (lm-eval's `max_length`)
+    prefix_id: int                  # BOS, else EOS: the context of an empty context
+    eos_text: str                   # EOS decoded with its special text (an implicit stop string)
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, max_length: int) -> "Encoder":
+        bos = tokenizer.special_tokens.get("bos_token")
+        bos_id = tokenizer.encode_as_transformers(bos, add_special_tokens=False) if bos else []
+        prefix = bos_id[0] if len(bos_id) == 1 else tokenizer.eos_token_id
+        if prefix is None:
+            raise ValueError("the tokenizer has neither a BOS nor an EOS token: lm-eval's log-likelihood requests "
+                             "need one to condition an empty context")
+        eos = tokenizer.decode([tokenizer.eos_token_id], decode_special_tokens=True) \
+            if tokenizer.eos_token_id is not None else None
+        return cls(tokenizer, max_length, prefix, eos or "")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode_as_transformers(text, add_special_tokens)
+
+    def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as TemplateLM.loglikelihood splits them."""
+        if context == "":
+            cont = self.encode(continuation, add_special_tokens=False)
+            return ([self.prefix_id], cont) if cont and cont[0] != self.prefix_id else (cont[:1], cont[1:])
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context)
+        return ctx, whole[len(ctx):]
+
+    def rolling(self, text: str) -> list[tuple[list[int], list[int]]]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+        windows = get_rolling_token_windows(token_list=self.encode(text), prefix_token=self.prefix_id,
+                                            max_seq_len=self.max_length, context_len=1)
+        return [make_disjoint_window(w) for w in windows]
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One engine request's part in a response: which request, and which token it predicts last."""
+    request: int                    # index into the document's requests
+    last: Optional[int] = None      # loglikelihood: the continuation's last token (scored at the sampled row)
+
+
+def score_request(key: tuple, part: int, ctx: list[int], cont: list[int], max_length: int) -> tuple[Request, int]:
+    """The Request of a (context ids, continuation ids) pair and the continuation's last token."""
+    if not cont:
+        raise ValueError("an empty continuation has no log-likelihood")
+    inp = (ctx + cont)[-(max_length + 1):][:-1]
+    first = len(inp) - len(cont) + 1                 # the continuation's first token, as a prompt position
+    return Request(key, tuple(inp), 1, True, part, score_from=first if first < len(inp) else None), cont[-1]
+
+
+def generation_request(key: tuple, part: int, enc: Encoder, context: str, gen_kwargs: dict,
+                       seed: Optional[int]) -> Request:
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=enc.eos_text or None)
+    max_gen = int(kwargs.pop("max_gen_toks"))
+    if max_gen >= enc.max_length:
+        raise ValueError(f"max_gen_toks ({max_gen}) must be less than the model's context ({enc.max_length})")
+    ids = enc.encode(context)[-(enc.max_length - max_gen):]
+    sampler = None
+    if kwargs.get("do_sample") and float(kwargs.get("temperature", 0.0)) > 0:
+        sampler = SamplerSettings(temperature=float(kwargs["temperature"]), top_p=float(kwargs.get("top_p", 1.0)),
+                                  top_k=int(kwargs.get("top_k", 0) or 0))
+    stops = tuple(enc.tokenizer.eos_token_ids) + tuple(u for u in until if u)
+    return Request(key, tuple(ids), max_gen, False, part, stops, sampler, seed if sampler else None)
+
+
+def loglikelihood(answer: Answer, last: int) -> tuple[float, bool]:
+    """(log p(continuation | context), whether every continuation token was the argmax)."""
+    lp = torch.log_softmax(answer.logits[0].float(), dim=-1)
+    total = float(lp[last]) + sum(answer.prompt_logprobs or [])
+    greedy = int(lp.argmax()) == last and all(answer.prompt_greedy or [])
+    return total, bool(greedy)
+
+
+def cut_at_stops(text: str, gen_kwargs: dict, eos_text: str) -> str:
+    """The generation as lm-eval's HF backend returns it (each stop string cuts, in order)."""
+    from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
+    until = handle_stop_sequences(dict(gen_kwargs).get("until"), eos=eos_text or None)
+    return postprocess_generated_text(text, until, None)

@@ -1,0 +1,107 @@
+"""The registry entry of `evalrun task`: lm-evaluation-harness's YAML tasks (evalrun/tasks/lm_eval_task.py)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .base import TaskSettingError
+from .lm_eval_task import LmEvalTask, load_tasks, summarize_rows
+from .spec import CliArg, RunReport, TaskSpec
+
+KEY_COLUMNS = ("task_name", "doc_id")
+
+
+@dataclass(frozen=True)
+class LmEvalOptions:
+    tasks: Optional[str] = None                  # comma-separated, as given
+    include_path: Optional[str] = None
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None
+    bootstrap_iters: int = 100000
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise TaskSettingError("--tasks is required: lm-eval task, group or tag names, comma-separated")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise TaskSettingError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
+        if self.limit is not None and (self.limit <= 0 or (self.limit >= 1 and self.limit != int(self.limit))):
+            raise TaskSettingError(f"--limit must be a count >= 1 or a fraction in (0, 1), got {self.limit}")
+        if self.bootstrap_iters < 0:
+            raise TaskSettingError(f"--bootstrap-iters must be >= 0, got {self.bootstrap_iters}")
+
+    @property
+    def names(self) -> list[str]:
+        return [n.strip() for n in (self.tasks or "").split(",") if n.strip()]
+
+
+def _build(options: LmEvalOptions, seed: int) -> LmEvalTask:
+    return LmEvalTask(load_tasks(options.names, options.include_path, options.num_fewshot), options.limit)
+
+
+def _identity(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
+    return {"data_fingerprint": task.fingerprint(), "lm_eval_tasks": sorted(task.tasks),
+            "num_fewshot": {n: t.get_config("num_fewshot") for n, t in sorted(task.tasks.items())},
+            "prompt_format": "lm-eval-0.4-hf"}
+
+
+def _manifest_extra(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
+    import lm_eval
+    return {"lm_eval": {"version": getattr(lm_eval, "__version__", "?"), "tasks": options.names,
+                        "include_path": options.include_path, "bootstrap_iters": options.bootstrap_iters}}
+
+
+def _summarize(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    return summarize_rows(rows, groups)          # prefix groups are the tasks, in order
+
+
+def print_summary(options: LmEvalOptions, r: RunReport) -> None:
+    print(f"\n{'task':<28} {'metric':<28} {'value':>10} {'stderr':>10}  n")
+    for t in r.per_group:
+        for key, value in t.items():
+            if key in ("task_name", "n") or "_stderr," in key:
+                continue
+            metric, flt = key.rsplit(",", 1)
+            err = t.get(f"{metric}_stderr,{flt}")
+            print(f"{t['task_name']:<28} {key:<28} {_num(value):>10} {_num(err):>10}  {t['n']}")
+    print(f"results: {r.out_dir}")
+
+
+def _num(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) and math.isfinite(v) else str(v)
+
+
+def show_row(row: dict[str, Any]) -> str:
+    head = f"{row['task_name']} #{row['doc_id']}"
+    if row.get("skipped"):
+        return f"{head}: skipped ({row.get('skip_reason')})"
+    return (f"{head}: target {row.get('target')!r}; metrics {row.get('metrics')}\n"
+            f"filtered: {json.loads(row.get('filtered_resps') or '{}')}")
+
+
+def _score(n: int, c: int) -> float:
+    return c / n
+
+
+CLI_ARGS = (
+    CliArg(("--tasks",), "lm-eval task, group or tag names, comma-separated (required)"),
+    CliArg(("--include-path", "--include_path"), "a directory of lm-eval task YAML files, searched before lm-eval's "
+           "own tasks (default: lm-eval's tasks only)", dest="include_path"),
+    CliArg(("--num-fewshot", "--num_fewshot"), "few-shot examples per prompt (default: each task's own, else 0)",
+           dest="num_fewshot", type=int),
+    CliArg(("--limit",), "the first N documents of each task, or a fraction of them when below 1 (default: all)",
+           type=float),
+    CliArg(("--bootstrap-iters", "--bootstrap_iters"), "bootstrap iterations of lm-eval's stderr for metrics "
+           "without a closed form (default: 100000, lm-eval's)", dest="bootstrap_iters", type=int, default=100000),
+)
+
+SPEC = TaskSpec(
+    name="task", key_columns=KEY_COLUMNS, metric="correct", aggregate="accuracy", unit_columns=KEY_COLUMNS,
+    unit_score=_score, groupings={"task": lambda key: str(key[0])}, default_by="task",
+    help="any lm-evaluation-harness task (its YAML definitions) on evalrun's engine",
+    description="Run lm-evaluation-harness tasks, groups or tags (its YAML definitions, packaged or under "
+                "--include-path) with lm-eval's prompts, filters and metrics, on evalrun's engine; rows land in "
+                "OUTPUT_DIR as each document finishes, and a rerun resumes.",
+    cli_args=CLI_ARGS, options=LmEvalOptions, build=_build, identity=_identity, manifest_extra=_manifest_extra,
+    unit="documents", summarize=_summarize, report=print_summary, show_row=show_row)

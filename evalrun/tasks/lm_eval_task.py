@@ -1,0 +1,248 @@
+"""lm-evaluation-harness's YAML tasks on evalrun's engine (`evalrun task --tasks NAME[,NAME...]`).
+
+lm-eval (the optional extra `evalrun[lm-eval]`, 0.4.13) loads the task configurations: names and
+groups/tags resolved by its TaskManager over its packaged tasks and `--include-path` directories,
+datasets through `datasets` (hub or local `data_files`), `process_docs`, the Jinja/column/list/
+`!function` doc_to_* fields, descriptions, delimiters and its few-shot sampler. Its task objects
+build each document's requests (`build_all_requests`, in document order, so the seeded sampler
+gives every document the few-shot examples an lm-eval run gives it, whatever the shard, resume
+or --limit), apply its filters and compute its metrics and aggregations; the engine answers the
+requests (evalrun/tasks/lm_eval_requests.py). lm-eval's evaluator is never called.
+
+Rows: one per document, keyed (task_name, doc_id): the responses, the filtered responses per
+filter, each metric (lm-eval's `metric,filter` names) as JSON, and `correct` (the first 0/1 metric)
+for progress and `compare`.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+from typing import Any, Collection, Iterator, Optional, Sequence
+
+from .base import Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError, estimate_tokens, prompt_hash
+from .lm_eval_requests import Ask, Encoder, cut_at_stops, generation_request, loglikelihood, score_request
+
+OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
+UNSUPPORTED = {                # config fields this runner refuses (the line names the field)
+    "use_prompt": "promptsource prompts",
+    "doc_to_image": "multimodal documents",
+    "doc_to_audio": "multimodal documents",
+}
+FEWSHOT_SEED = 1234            # lm-eval's default --fewshot_random_seed
+
+
+def _lm_eval() -> Any:
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:
+        raise TaskSettingError(f"evalrun task needs lm-evaluation-harness (pip install 'evalrun[lm-eval]'): "
+                               f"{exc}") from None
+    return TaskManager
+
+
+def load_tasks(names: Sequence[str], include_path: Optional[str], num_fewshot: Optional[int]) -> dict[str, Any]:
+    """{task name: lm-eval task object} for the names (groups and tags expanded), configured as
+    lm-eval's simple_evaluate configures them; TaskSettingError/TaskDataError in one line."""
+    TaskManager = _lm_eval()
+    if not names:
+        raise TaskSettingError("--tasks names no task")
+    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if manager is None or not set(names) <= set(manager.all_tasks):
+        manager = TaskManager(include_path=include_path)
+    unknown = [n for n in names if n not in manager.all_tasks]
+    if unknown:
+        raise TaskSettingError(f"unknown task {unknown[0]!r}: neither lm-eval's tasks nor "
+                               f"{include_path or 'an --include-path'} define it")
+    tasks: dict[str, Any] = {}
+    for name in names:                  # one at a time: an error names its task
+        try:
+            tasks.update(manager.load([name])["tasks"])
+        except FileNotFoundError as exc:
+            raise TaskDataError(f"task {name}: its data is missing: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - datasets and YAML errors all reach the user as one line
+            first = (str(exc).splitlines() or [""])[0]
+            raise TaskDataError(f"task {name}: could not load it: {type(exc).__name__}: {first}") from None
+    for name, task in tasks.items():
+        _check_supported(name, task)
+        if num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    return tasks
+
+
+def _check_supported(name: str, task: Any) -> None:
+    output_type = task.get_config("output_type")
+    if output_type not in OUTPUT_TYPES:
+        raise TaskSettingError(f"task {name}: output_type {output_type!r} is not supported (evalrun runs "
+                               f"{', '.join(OUTPUT_TYPES)})")
+    for field, what in UNSUPPORTED.items():
+        if task.get_config(field):
+            raise TaskSettingError(f"task {name}: {field} ({what}) is not supported")
+
+
+class LmEvalTask:
+    name = "task"
+    key_columns = ("task_name", "doc_id")
+    progress_metric = "correct"
+
+    def __init__(self, tasks: dict[str, Any], limit: Optional[float] = None, only: Optional[Collection[tuple]] = None):
+        from lm_eval.evaluator_utils import get_sample_size
+        self.tasks, self.limit = tasks, limit
+        self.only = frozenset(only) if only is not None else None
+        self.instances: dict[tuple, list] = {}
+        for name, task in tasks.items():
+            if not getattr(task, "_instances", None):
+                task.build_all_requests(limit=get_sample_size(task, limit), rank=0, world_size=1)
+            for inst in task.instances:
+                self.instances.setdefault((name, inst.doc_id), []).append(inst)
+        for group in self.instances.values():
+            group.sort(key=lambda inst: inst.idx)
+        self.encoder: Optional[Encoder] = None
+
+    def fingerprint(self) -> str:
+        """Each task's configuration (its YAML as lm-eval dumps it, with the source of its `!function`
+        hooks: trusted code, part of the identity) and its documents' content; not the selection
+        (--limit may grow on resume: every document keeps its few-shot examples)."""
+        h = hashlib.sha256()
+        for name, task in sorted(self.tasks.items()):
+            h.update(json.dumps(task.dump_config(), sort_keys=True, default=_hook_source).encode())
+            dataset = getattr(task, "dataset", None)
+            for split in sorted(dataset or {}):
+                h.update(f"{split}:{getattr(dataset[split], '_fingerprint', '')}".encode())
+        return h.hexdigest()[:16]
+
+    def doc_keys(self) -> list[tuple]:
+        return [k for k in self.instances if self.only is None or k in self.only]
+
+    def restricted(self, keys: Collection[tuple]) -> "LmEvalTask":
+        return LmEvalTask(self.tasks, self.limit, keys if self.only is None else self.only & frozenset(keys))
+
+    def prefix_groups(self) -> list[PrefixGroup]:
+        groups = []
+        for name in self.tasks:
+            keys = tuple(k for k in self.doc_keys() if k[0] == name)
+            if keys:
+                sizes = tuple(sum(estimate_tokens(str(a)) for inst in self.instances[k] for a in inst.args) for k in keys)
+                groups.append(PrefixGroup(name, keys, 0, sizes, divisible=True))
+        return groups
+
+    def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
+        self.encoder = enc = Encoder.for_model(tokenizer, max_seq_len)
+        for key in self.doc_keys():
+            yield self._plan_doc(key, self.instances[key], enc)
+
+    def _plan_doc(self, key: tuple, instances: list, enc: Encoder) -> DocPlan:
+        requests: list[Request] = []
+        index: dict[tuple, int] = {}
+        asks: list[list[Ask]] = []
+
+        def ask(r: Request) -> int:
+            sig = (r.input_ids, r.score_from, r.max_new_tokens, r.stop_conditions, r.sampler, r.seed)
+            if sig not in index:
+                index[sig] = len(requests)
+                requests.append(Request(key, r.input_ids, r.max_new_tokens, r.return_logits, len(requests),
+                                        r.stop_conditions, r.sampler, r.seed, r.score_from))
+            return index[sig]
+
+        for inst in instances:
+            mine: list[Ask] = []
+            for repeat in range(inst.repeats):
+                if inst.request_type == "loglikelihood":
+                    req, last = score_request(key, 0, *enc.pair(*inst.args), enc.max_length)
+                    mine.append(Ask(ask(req), last))
+                elif inst.request_type == "loglikelihood_rolling":
+                    for ctx, cont in enc.rolling(inst.args[0]):
+                        req, last = score_request(key, 0, ctx, cont, enc.max_length)
+                        mine.append(Ask(ask(req), last))
+                else:
+                    seed = hash((key, inst.idx, repeat)) & 0x7FFFFFFF
+                    mine.append(Ask(ask(generation_request(key, 0, enc, inst.args[0], inst.args[1], seed))))
+            asks.append(mine)
+        first = instances[0].args[0]
+        info = {"_asks": asks, "prompt_hash": prompt_hash(requests[0].input_ids) if requests else ""}
+        return DocPlan(key, requests, info, prompt=first if isinstance(first, str) else None)
+
+    def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
+        name, doc_id = plan.doc_key
+        task, instances = self.tasks[name], self.instances[plan.doc_key]
+        by_part = {a.request.part: a for a in answers}
+        for inst, asks in zip(instances, plan.info["_asks"]):
+            inst.resps = self._responses(inst, asks, by_part)
+            inst.filtered_resps = {}
+        for ensemble in task._filters:
+            ensemble.apply(instances)
+        metrics: dict[str, Any] = {}
+        filtered: dict[str, Any] = {}
+        for filter_key in instances[0].filtered_resps:
+            values = task.process_results(instances[0].doc, [inst.filtered_resps[filter_key] for inst in instances])
+            filtered[filter_key] = [inst.filtered_resps[filter_key] for inst in instances]
+            metrics.update({f"{m},{filter_key}": v for m, v in values.items()})
+        first01 = next((v for v in metrics.values() if isinstance(v, (bool, int, float)) and v in (0, 1)), None)
+        return {
+            "prompt_hash": plan.info["prompt_hash"],
+            "prompt_tokens": sum(a.prompt_tokens for a in answers),
+            "cached_tokens": sum(a.cached_tokens for a in answers),
+            "resps": json.dumps([inst.resps for inst in instances], default=_plain),
+            "filtered_resps": json.dumps(filtered, default=_plain),
+            "metrics": json.dumps(metrics, default=_plain),
+            "target": str(task.doc_to_target(instances[0].doc)),
+            "correct": bool(first01) if first01 is not None else None,
+            "nonfinite_logits": any(a.nonfinite_logits for a in answers),
+        }
+
+    def _responses(self, inst: Any, asks: list[Ask], by_part: dict[int, Answer]) -> list:
+        if inst.request_type == "loglikelihood":
+            return [loglikelihood(by_part[a.request], a.last) for a in asks]
+        if inst.request_type == "loglikelihood_rolling":
+            return [sum(loglikelihood(by_part[a.request], a.last)[0] for a in asks)]
+        eos = self.encoder.eos_text if self.encoder else ""
+        return [cut_at_stops(by_part[a.request].text, inst.args[1], eos) for a in asks]
+
+    def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()})
+
+
+def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregations: Optional[dict] = None,
+                   bootstrap_iters: int = 100000) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per task: each `metric,filter` aggregated as lm-eval aggregates it (the task's aggregation, or
+    the metric's registered default) with lm-eval's stderr (`metric_stderr,filter`)."""
+    from lm_eval.api.metrics import stderr_for_metric
+    from lm_eval.api.registry import get_metric_aggregation
+    per_task = []
+    for name in names:
+        mine = [r for r in rows if r.get("task_name") == name and not r.get("skipped")]
+        values: dict[str, list] = {}
+        for r in mine:
+            for key, v in json.loads(r["metrics"]).items():
+                values.setdefault(key, []).append(tuple(v) if isinstance(v, list) else v)
+        out: dict[str, Any] = {"task_name": name, "n": len(mine)}
+        for key, items in values.items():
+            metric, filter_key = key.rsplit(",", 1)
+            fn = (aggregations or {}).get(name, {}).get(metric) or get_metric_aggregation(metric)
+            out[key] = fn(items)
+            iters = min(bootstrap_iters, 100) if metric in ("bleu", "chrf", "chrf++", "ter") else bootstrap_iters
+            stderr = stderr_for_metric(metric=fn, bootstrap_iters=iters) if bootstrap_iters > 0 else None
+            out[f"{metric}_stderr,{filter_key}"] = stderr(items) if stderr and len(items) > 1 else "N/A"
+        per_task.append(out)
+    overall = {"n": sum(t["n"] for t in per_task), "skipped": sum(bool(r.get("skipped")) for r in rows),
+               "tasks": {t["task_name"]: {k: v for k, v in t.items() if k != "task_name"} for t in per_task}}
+    return per_task, overall
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def _hook_source(value: Any) -> str:
+    try:
+        return inspect.getsource(value)
+    except (OSError, TypeError):
+        return repr(value)

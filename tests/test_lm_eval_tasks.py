@@ -1,0 +1,122 @@
+"""`evalrun task`: lm-eval's YAML tasks on our engine give lm-eval 0.4.13's own numbers (HF backend,
+float32, same tiny model): per-document log-likelihoods within 1e-4, identical predictions,
+filtered responses and aggregate metrics (tests/lm_eval_fixtures.py writes the tasks and runs lm-eval)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu: install evalrun[lm-eval]")
+
+from evalrun.commands.cli import main  # noqa: E402
+from evalrun.results import read_samples  # noqa: E402
+from lm_eval_fixtures import run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+
+MMLU_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mmlu"
+CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0)]
+
+
+@pytest.fixture(scope="module")
+def include_path(tmp_path_factory) -> Path:
+    return write_fixture_tasks(tmp_path_factory.mktemp("lm-eval-tasks"), MMLU_DIR if MMLU_DIR.is_dir() else None)
+
+
+def _ours(model: Path, tasks: str, include: Path, out: Path, *extra: str) -> list[dict]:
+    rc = main(["task", "--tasks", tasks, "--include-path", str(include), "--model", str(model), "--dtype", "float32",
+               "--output-dir", str(out), "--no-progress", *extra])
+    assert rc == 0
+    return read_samples(out).to_dict("records")
+
+
+def _close(a, b, tol=1e-4) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), abs_tol=tol, rel_tol=tol)
+    return a == b
+
+
+@pytest.mark.parametrize("task,shots", CASES)
+def test_task_equals_lm_eval(tiny_model_dir, include_path, tmp_path, task, shots):
+    ref = run_lm_eval_reference(tiny_model_dir, [task], include_path, num_fewshot=shots)
+    rows = {r["doc_id"]: r for r in _ours(tiny_model_dir, task, include_path, tmp_path / "run",
+                                          "--num-fewshot", str(shots), "--bootstrap-iters", "100000")}
+    samples = ref["samples"][task]
+    assert {s["doc_id"] for s in samples} == set(rows)
+    for s in samples:
+        row = rows[s["doc_id"]]
+        resps = json.loads(row["resps"])
+        assert _close(resps, s["resps"]), f"{task} doc {s['doc_id']}: responses differ"
+        assert _close(json.loads(row["filtered_resps"])[s["filter"]], s["filtered_resps"])
+        metrics = json.loads(row["metrics"])
+        for m in s["metrics"]:
+            assert _close(metrics[f"{m},{s['filter']}"], s[m]), f"{task} doc {s['doc_id']}: {m} differs"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    mine = summary["tasks"][task]
+    for key, want in ref["results"][task].items():
+        if "," in key:
+            assert _close(mine[key], want, 1e-6), f"{task}: {key} {mine[key]} != {want}"
+
+
+def test_mmlu_through_an_include_yaml_equals_evalrun_mmlu(tiny_model_dir, include_path, tmp_path):
+    if not MMLU_DIR.is_dir():
+        pytest.skip(f"no MMLU data at {MMLU_DIR}")
+    ours = {r["doc_id"]: r for r in _ours(tiny_model_dir, "mmlu_local_anatomy", include_path, tmp_path / "t",
+                                          "--num-fewshot", "5", "--limit", "12")}
+    assert main(["mmlu", "--data-dir", str(MMLU_DIR), "--subjects", "anatomy", "--limit", "12", "--model",
+                 str(tiny_model_dir), "--dtype", "float32", "--output-dir", str(tmp_path / "m"), "--no-progress"]) == 0
+    mmlu = {r["doc_id"]: r for r in read_samples(tmp_path / "m").to_dict("records")}
+    assert len(ours) == len(mmlu) == 12
+    for doc_id, r in mmlu.items():
+        lls = [ll for ll, _ in (resp[0] for resp in json.loads(ours[doc_id]["resps"]))]
+        assert max(range(4), key=lambda i: (lls[i], -i)) == "ABCD".index(r["prediction"])
+        assert max(abs(a - b) for a, b in zip(lls, r["choice_logprobs"])) < 1e-4
+
+
+def test_bad_input_is_one_line_exit_2(tiny_model_dir, include_path, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "t.yaml").write_text("task: bad_files\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                f"    test: {tmp_path}/missing.jsonl\ntest_split: test\noutput_type: multiple_choice\n"
+                                "doc_to_text: q\ndoc_to_target: 0\ndoc_to_choice: [a, b]\n")
+    (bad / "u.yaml").write_text("task: bad_type\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                f"    test: {tmp_path}/missing.jsonl\ntest_split: test\noutput_type: ranking\n")
+    for tasks, inc, words in [("no_such_task", include_path, "unknown task 'no_such_task'"),
+                              ("bad_files", bad, "bad_files"), ("bad_type", bad, "output_type")]:
+        rc = main(["task", "--tasks", tasks, "--include-path", str(inc), "--model", str(tiny_model_dir),
+                   "--output-dir", str(tmp_path / tasks), "--no-progress"])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err, err
+
+
+def test_killed_run_resumes_to_the_same_rows_and_a_changed_yaml_is_refused(tiny_model_dir, include_path, tmp_path,
+                                                                           capsys):
+    """A run killed mid-way (SIGKILL after its first rows) and resumed, and a run at --limit 6 extended
+    to every document, give the rows of one uninterrupted run: each document keeps its few-shot
+    examples (lm-eval's seeded sampler is replayed in document order). A changed YAML is another
+    task: refused unless --overwrite."""
+    import sys
+    from run_helpers import assert_same_rows, sigkill_after_parts
+    args = ["--tasks", "arc_tiny,gsm8k_tiny", "--include-path", str(include_path), "--model", str(tiny_model_dir),
+            "--dtype", "float32", "--num-fewshot", "2", "--no-progress", "--flush-rows", "1"]
+    _ours(tiny_model_dir, "arc_tiny,gsm8k_tiny", include_path, tmp_path / "whole", "--num-fewshot", "2")
+    killed = tmp_path / "killed"
+    sigkill_after_parts([sys.executable, "-m", "evalrun", "task", *args, "--output-dir", str(killed)], killed, parts=3)
+    assert main(["task", *args, "--output-dir", str(killed)]) == 0
+    assert_same_rows(killed, tmp_path / "whole", ["task_name", "doc_id"])
+    grown = tmp_path / "grown"
+    assert main(["task", *args, "--limit", "6", "--output-dir", str(grown)]) == 0
+    assert main(["task", *args, "--output-dir", str(grown)]) == 0
+    assert_same_rows(grown, tmp_path / "whole", ["task_name", "doc_id"])
+    yaml = include_path / "arc_tiny" / "arc_tiny.yaml"
+    original = yaml.read_text()
+    try:
+        yaml.write_text(original.replace("Answer:", "A:"))
+        capsys.readouterr()
+        assert main(["task", *args, "--output-dir", str(grown)]) == 2
+        assert "--overwrite" in capsys.readouterr().err
+    finally:
+        yaml.write_text(original)
