@@ -120,3 +120,17 @@ def test_killed_run_resumes_to_the_same_rows_and_a_changed_yaml_is_refused(tiny_
         assert "--overwrite" in capsys.readouterr().err
     finally:
         yaml.write_text(original)
+
+
+def test_a_task_whose_documents_all_exceed_the_context_exits_2(tiny_model_dir, include_path, tmp_path, capsys):
+    """A generation budget as long as the context leaves no room for any prompt: every document is
+    a skipped row naming why, and the run exits 2 (there is no score)."""
+    src = (include_path / "gsm8k_tiny" / "gsm8k_tiny.yaml").read_text()
+    bad = tmp_path / "long"
+    bad.mkdir()
+    (bad / "g.yaml").write_text(src.replace("task: gsm8k_tiny", "task: gsm8k_long")
+                                .replace("max_gen_toks: 32", "max_gen_toks: 4096"))
+    rc = main(["task", "--tasks", "gsm8k_long", "--include-path", str(bad), "--model", str(tiny_model_dir),
+               "--output-dir", str(tmp_path / "run"), "--no-progress", "--limit", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "all 3 documents were skipped" in err and "max_gen_toks (4096)" in err, err

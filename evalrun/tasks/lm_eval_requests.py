@@ -82,6 +82,8 @@ def score_request(key: tuple, part: int, ctx: list[int], cont: list[int], max_le
     """The Request of a (context ids, continuation ids) pair and the continuation's last token."""
     if not cont:
         raise ValueError("an empty continuation has no log-likelihood")
+    if len(cont) > max_length:
+        raise ValueError(f"a continuation of {len(cont)} tokens is longer than the model's context")
     inp = (ctx + cont)[-(max_length + 1):][:-1]
     first = len(inp) - len(cont) + 1                 # the continuation's first token, as a prompt position
     return Request(key, tuple(inp), 1, True, part, score_from=first if first < len(inp) else None), cont[-1]

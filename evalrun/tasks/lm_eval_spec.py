@@ -85,7 +85,7 @@ def _score(n: int, c: int) -> float:
 
 
 CLI_ARGS = (
-    CliArg(("--tasks",), "lm-eval task, group or tag names, comma-separated (required)"),
+    CliArg(("--tasks",), "lm-eval task, group or tag names, comma-separated (default: none; required)"),
     CliArg(("--include-path", "--include_path"), "a directory of lm-eval task YAML files, searched before lm-eval's "
            "own tasks (default: lm-eval's tasks only)", dest="include_path"),
     CliArg(("--num-fewshot", "--num_fewshot"), "few-shot examples per prompt (default: each task's own, else 0)",

@@ -133,7 +133,10 @@ class LmEvalTask:
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
         self.encoder = enc = Encoder.for_model(tokenizer, max_seq_len)
         for key in self.doc_keys():
-            yield self._plan_doc(key, self.instances[key], enc)
+            try:
+                yield self._plan_doc(key, self.instances[key], enc)
+            except ValueError as exc:           # a request that cannot fit the model's context: a skipped row
+                yield DocPlan(key, skip_reason=f"{exc} (context {max_seq_len} tokens)")
 
     def _plan_doc(self, key: tuple, instances: list, enc: Encoder) -> DocPlan:
         requests: list[Request] = []
