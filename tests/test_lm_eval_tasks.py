@@ -134,3 +134,28 @@ def test_a_task_whose_documents_all_exceed_the_context_exits_2(tiny_model_dir, i
                "--output-dir", str(tmp_path / "run"), "--no-progress", "--limit", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "all 3 documents were skipped" in err and "max_gen_toks (4096)" in err, err
+
+
+def test_shards_merge_compare_and_a_suite(tiny_model_dir, include_path, tmp_path, capsys):
+    """`--shard k/2` runs merge into the rows of one run (each document keeps its few-shot examples in
+    any shard); `compare` reads two runs per task; a suite lists an lm-eval task."""
+    from run_helpers import assert_same_rows
+    common = ["--tasks", "arc_tiny,hellaswag_tiny", "--include-path", str(include_path), "--model", str(tiny_model_dir),
+              "--dtype", "float32", "--num-fewshot", "2", "--no-progress"]
+    assert main(["task", *common, "--output-dir", str(tmp_path / "whole")]) == 0
+    for k in (0, 1):
+        assert main(["task", *common, "--shard", f"{k}/2", "--output-dir", str(tmp_path / f"s{k}")]) == 0
+    assert main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--output-dir", str(tmp_path / "m")]) == 0
+    assert_same_rows(tmp_path / "m", tmp_path / "whole", ["task_name", "doc_id"])
+    assert main(["task", *common, "--dtype", "bfloat16", "--output-dir", str(tmp_path / "bf16")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "whole"), str(tmp_path / "bf16"), "--format", "csv"]) == 0
+    table = capsys.readouterr().out
+    assert "arc_tiny" in table and "hellaswag_tiny" in table
+    suite = tmp_path / "suite.toml"
+    suite.write_text(f'output_dir = "{tmp_path / "nightly"}"\n[[tasks]]\nname = "task"\ntasks = "arc_tiny"\n'
+                     f'include_path = "{include_path}"\nlimit = 4\n[[models]]\nname = "tiny"\npath = "{tiny_model_dir}"\n'
+                     'cache_modes = ["fp32"]\ndtype = "float32"\n')
+    assert main(["suite", str(suite), "--no-progress"]) == 0
+    rows = read_samples(tmp_path / "nightly" / "task" / "tiny" / "fp32")
+    assert len(rows) == 4 and set(rows["task_name"]) == {"arc_tiny"}
