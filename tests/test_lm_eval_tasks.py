@@ -159,3 +159,15 @@ def test_shards_merge_compare_and_a_suite(tiny_model_dir, include_path, tmp_path
     assert main(["suite", str(suite), "--no-progress"]) == 0
     rows = read_samples(tmp_path / "nightly" / "task" / "tiny" / "fp32")
     assert len(rows) == 4 and set(rows["task_name"]) == {"arc_tiny"}
+
+
+def test_a_group_is_aggregated_as_lm_eval_aggregates_it(tiny_model_dir, include_path, tmp_path):
+    """`--tasks tiny_suite` (a group with aggregate_metric_list, weighted by size) runs its tasks and
+    reports the group's acc and pooled stderr as lm-eval does."""
+    ref = run_lm_eval_reference(tiny_model_dir, ["tiny_suite"], include_path, num_fewshot=2)
+    _ours(tiny_model_dir, "tiny_suite", include_path, tmp_path / "run", "--num-fewshot", "2")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["tasks"]) == {"arc_tiny", "hellaswag_tiny"}
+    mine = summary["groups"]["tiny_suite"]
+    keys = [k for k in ref["results"]["tiny_suite"] if "," in k]
+    assert keys and all(_close(mine[k], ref["results"]["tiny_suite"][k], 1e-6) for k in keys), (mine, ref["results"])

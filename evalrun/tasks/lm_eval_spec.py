@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .base import TaskSettingError
-from .lm_eval_task import LmEvalTask, load_tasks, summarize_rows
+from .lm_eval_task import LmEvalTask, load_suite, summarize_rows
 from .spec import CliArg, RunReport, TaskSpec
 
 KEY_COLUMNS = ("task_name", "doc_id")
@@ -37,7 +37,8 @@ class LmEvalOptions:
 
 
 def _build(options: LmEvalOptions, seed: int) -> LmEvalTask:
-    return LmEvalTask(load_tasks(options.names, options.include_path, options.num_fewshot), options.limit)
+    tasks, groups = load_suite(options.names, options.include_path, options.num_fewshot)
+    return LmEvalTask(tasks, options.limit, groups=groups)
 
 
 def _identity(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
@@ -65,6 +66,12 @@ def print_summary(options: LmEvalOptions, r: RunReport) -> None:
             metric, flt = key.rsplit(",", 1)
             err = t.get(f"{metric}_stderr,{flt}")
             print(f"{t['task_name']:<28} {key:<28} {_num(value):>10} {_num(err):>10}  {t['n']}")
+    for name, g in r.overall.get("groups", {}).items():
+        for key, value in g.items():
+            if "," in key and "_stderr," not in key:
+                metric, flt = key.rsplit(",", 1)
+                print(f"{name:<28} {key:<28} {_num(value):>10} {_num(g.get(f'{metric}_stderr,{flt}')):>10}  "
+                      f"{g.get('sample_len', '')}")
     print(f"results: {r.out_dir}")
 
 

@@ -43,8 +43,15 @@ def _lm_eval() -> Any:
 
 
 def load_tasks(names: Sequence[str], include_path: Optional[str], num_fewshot: Optional[int]) -> dict[str, Any]:
-    """{task name: lm-eval task object} for the names (groups and tags expanded), configured as
-    lm-eval's simple_evaluate configures them; TaskSettingError/TaskDataError in one line."""
+    """{task name: lm-eval task object} for the names (groups and tags expanded): load_suite's tasks."""
+    return load_suite(names, include_path, num_fewshot)[0]
+
+
+def load_suite(names: Sequence[str], include_path: Optional[str],
+               num_fewshot: Optional[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({task name: lm-eval task object}, {group name: lm-eval Group}) for the names (groups and tags
+    expanded), configured as lm-eval's simple_evaluate configures them; TaskSettingError/TaskDataError
+    in one line."""
     TaskManager = _lm_eval()
     if not names:
         raise TaskSettingError("--tasks names no task")
@@ -56,9 +63,12 @@ def load_tasks(names: Sequence[str], include_path: Optional[str], num_fewshot: O
         raise TaskSettingError(f"unknown task {unknown[0]!r}: neither lm-eval's tasks nor "
                                f"{include_path or 'an --include-path'} define it")
     tasks: dict[str, Any] = {}
+    groups: dict[str, Any] = {}
     for name in names:                  # one at a time: an error names its task
         try:
-            tasks.update(manager.load([name])["tasks"])
+            loaded = manager.load([name])
+            tasks.update(loaded["tasks"])
+            groups.update(loaded.get("groups") or {})
         except FileNotFoundError as exc:
             raise TaskDataError(f"task {name}: its data is missing: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - datasets and YAML errors all reach the user as one line
@@ -71,7 +81,7 @@ def load_tasks(names: Sequence[str], include_path: Optional[str], num_fewshot: O
         elif task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
-    return tasks
+    return tasks, groups
 
 
 def _check_supported(name: str, task: Any) -> None:
@@ -89,9 +99,10 @@ class LmEvalTask:
     key_columns = ("task_name", "doc_id")
     progress_metric = "correct"
 
-    def __init__(self, tasks: dict[str, Any], limit: Optional[float] = None, only: Optional[Collection[tuple]] = None):
+    def __init__(self, tasks: dict[str, Any], limit: Optional[float] = None, only: Optional[Collection[tuple]] = None,
+                 groups: Optional[dict[str, Any]] = None):
         from lm_eval.evaluator_utils import get_sample_size
-        self.tasks, self.limit = tasks, limit
+        self.tasks, self.limit, self.groups = tasks, limit, groups or {}
         self.only = frozenset(only) if only is not None else None
         self.instances: dict[tuple, list] = {}
         for name, task in tasks.items():
@@ -119,7 +130,7 @@ class LmEvalTask:
         return [k for k in self.instances if self.only is None or k in self.only]
 
     def restricted(self, keys: Collection[tuple]) -> "LmEvalTask":
-        return LmEvalTask(self.tasks, self.limit, keys if self.only is None else self.only & frozenset(keys))
+        return LmEvalTask(self.tasks, self.limit, keys if self.only is None else self.only & frozenset(keys), self.groups)
 
     def prefix_groups(self) -> list[PrefixGroup]:
         groups = []
@@ -206,7 +217,11 @@ class LmEvalTask:
         return [cut_at_stops(by_part[a.request].text, inst.args[1], eos) for a in asks]
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()})
+        per_task, overall = summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()})
+        metrics = {t["task_name"]: {**t, "sample_len": t["n"]} for t in per_task}
+        overall["groups"] = {name: {k: v for k, v in group.aggregate(metrics).items() if k not in ("alias", "name")}
+                             for name, group in self.groups.items() if group.has_aggregation}
+        return per_task, overall
 
 
 def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregations: Optional[dict] = None,
