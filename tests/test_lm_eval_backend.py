@@ -1,0 +1,134 @@
+"""lm-eval's `--model evalrun` (evalrun/lm_eval_backend.py): lm-eval's own evaluator on our engine gives
+lm-eval's HF backend's numbers (float32, same tiny model): per-document responses within 1e-4,
+identical filtered responses and aggregate metrics; through simple_evaluate and through lm-eval's CLI
+(`python -m evalrun.lm_eval_backend`); a bad model_args key is one line naming it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu: install evalrun[lm-eval]")
+
+import evalrun.lm_eval_backend  # noqa: E402,F401 - registers "evalrun"
+from evalrun.errors import BadInput  # noqa: E402
+from evalrun.lm_eval_backend import main, request_seed  # noqa: E402
+from lm_eval_fixtures import _kept_random_state, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0)]
+
+
+@pytest.fixture(scope="module")
+def include_path(tmp_path_factory) -> Path:
+    return write_fixture_tasks(tmp_path_factory.mktemp("lm-eval-tasks"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, include_path):
+    """run_lm_eval_reference for one task, each computed once in the module."""
+    done: dict[tuple[str, int], dict] = {}
+
+    def get(task: str, shots: int) -> dict:
+        if (task, shots) not in done:
+            done[task, shots] = run_lm_eval_reference(tiny_model_dir, [task], include_path, num_fewshot=shots)
+        return done[task, shots]
+    return get
+
+
+def _ours(model_dir: Path, tasks: list[str], include_path: Path, shots: int) -> dict:
+    """lm-eval's simple_evaluate with model="evalrun", its results and samples JSON round-tripped as
+    run_lm_eval_reference returns them."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+    with _kept_random_state():
+        out = simple_evaluate(model="evalrun", model_args=f"pretrained={model_dir},dtype=float32", tasks=tasks,
+                              num_fewshot=shots, log_samples=True,
+                              task_manager=TaskManager(include_path=str(include_path), include_defaults=False))
+    return json.loads(json.dumps({k: out[k] for k in ("results", "samples")}, default=handle_non_serializable))
+
+
+def _close(a, b, tol=1e-4) -> bool:
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), abs_tol=tol, rel_tol=tol)
+    return a == b
+
+
+@pytest.mark.parametrize("task,shots", CASES)
+def test_simple_evaluate_equals_lm_eval_hf(tiny_model_dir, include_path, reference, task, shots):
+    ref = reference(task, shots)
+    ours = _ours(tiny_model_dir, [task], include_path, shots)
+    mine = {(s["doc_id"], s["filter"]): s for s in ours["samples"][task]}
+    assert len(mine) == len(ref["samples"][task])
+    for s in ref["samples"][task]:
+        o = mine[(s["doc_id"], s["filter"])]
+        assert o["arguments"] == s["arguments"], f"{task} doc {s['doc_id']}: requests differ"
+        assert _close(o["resps"], s["resps"]), f"{task} doc {s['doc_id']}: responses differ"
+        assert _close(o["filtered_resps"], s["filtered_resps"]), f"{task} doc {s['doc_id']}: filtered differ"
+        for m in s["metrics"]:
+            assert _close(o[m], s[m]), f"{task} doc {s['doc_id']}: {m} differs"
+    for key, want in ref["results"][task].items():
+        if "," in key:
+            assert _close(ours["results"][task][key], want, 1e-6), f"{task}: {key}"
+
+
+def test_cli_writes_lm_eval_results_with_the_hf_numbers(tiny_model_dir, include_path, reference, tmp_path):
+    ref = reference("arc_tiny", 2)["results"]["arc_tiny"]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "evalrun.lm_eval_backend", "--model", "evalrun", "--model_args",
+                           f"pretrained={tiny_model_dir},dtype=float32", "--tasks", "arc_tiny", "--include_path",
+                           str(include_path), "--num_fewshot", "2", "--output_path", str(out)],
+                          cwd=ROOT, env={**os.environ, "USE_HUB_KERNELS": "0"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [results] = out.rglob("results_*.json")
+    got = json.loads(results.read_text())["results"]["arc_tiny"]
+    for key in ("acc,none", "acc_norm,none"):
+        assert math.isclose(got[key], ref[key], abs_tol=1e-9), key
+
+
+def test_bad_model_args_key_is_one_line_naming_it(tiny_model_dir, include_path, monkeypatch, capsys):
+    from lm_eval import simple_evaluate
+    with pytest.raises(BadInput, match="'colour'") as info, _kept_random_state():
+        simple_evaluate(model="evalrun", model_args=f"pretrained={tiny_model_dir},colour=red", tasks=["arc_tiny"])
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(sys, "argv", ["lm-eval", "--model", "evalrun", "--model_args",
+                                      f"pretrained={tiny_model_dir},colour=red", "--tasks", "arc_tiny",
+                                      "--include_path", str(include_path)])
+    assert main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "'colour'" in err[-1]
+
+
+def test_a_call_asks_identical_requests_once_and_answers_in_order(tiny_model_dir):
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+    lm = get_model("evalrun").create_from_arg_string(f"pretrained={tiny_model_dir},dtype=float32,batch_size=4")
+    ctx = "Question: which gas do plants take in?\nAnswer:"
+    pairs = [(ctx, " carbon dioxide"), (ctx, " oxygen"), (ctx, " carbon dioxide")]
+    stats = lm.engine.generator.stats
+    before = stats()["prompt_tokens"]
+    out = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    asked = stats()["prompt_tokens"] - before
+    alone = [lm.loglikelihood([Instance("loglikelihood", {}, p, 0)])[0] for p in pairs[:2]]
+    assert stats()["prompt_tokens"] - before == 2 * asked           # the third request was no job ...
+    assert out[2] == out[0] and _close(out, [alone[0], alone[1], alone[0]], 1e-5)     # ... and answers stay in order
+    greedy = {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}
+    sampled = {"until": ["\n"], "max_gen_toks": 12, "do_sample": True, "temperature": 1.0}
+    gen = [Instance("generate_until", {}, (ctx, kw), 0) for kw in (greedy, greedy, sampled, sampled)]
+    texts = lm.generate_until(gen)
+    assert texts[0] == texts[1] and texts[2] != texts[3]            # the repeats of a sampled request differ ...
+    assert lm.generate_until(gen) == texts                          # ... the same under lm-eval's same torch seed
+
+
+def test_request_seeds_differ_between_repeats():
+    seeds = {request_seed(1234, i) for i in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**31 for s in seeds)
