@@ -24,7 +24,7 @@ from evalrun.engine import DynamicGenerator
 from evalrun.errors import BadInput, NonFiniteLogits
 from evalrun.run.common import load_model, make_generator, resolve_model_dir
 from evalrun.run.engine_config import EngineConfig, EngineRequest, announce, engine_config
-from evalrun.run.runner import _job as engine_job
+from evalrun.run.runner import answer_of, engine_job
 from evalrun.tasks.base import Answer, Request
 from evalrun.tasks.lm_eval_requests import Encoder
 
@@ -141,10 +141,8 @@ class Engine:
 
 
 def _answer(request: Request, result: dict) -> Answer:
-    """A job's last result as the runner makes it an Answer (evalrun/run/runner.py _collect)."""
+    """A job's last result as an Answer; a broken model's NaN/Inf logits raise."""
     if result.get("nonfinite_logits", 0):
         raise NonFiniteLogits(f"the model's logits hold NaN or Inf at a scored position of a {len(request.input_ids)}"
                               "-token request: the model or its dtype is broken")
-    return Answer(request, result["job"].state.new_ids, result["full_completion"], result.get("logits"),
-                  result["prompt_tokens"], result["cached_tokens"], result.get("eos_reason"),
-                  result.get("nonfinite_logits", 0), result.get("prompt_logprobs"), result.get("prompt_greedy"))
+    return answer_of(request, result)

@@ -84,7 +84,7 @@ def run_task(task: Task, generator: DynamicGenerator, plans: list[DocPlan],
                                  "skipped": True, "skip_reason": plan.skip_reason})
             continue
         pending[i] = _Pending(plan)
-        jobs += [_job(r, (i, r)) for r in plan.requests]
+        jobs += [engine_job(r, (i, r)) for r in plan.requests]
     start = time.time()
     generator.enqueue(jobs)
     bar = tqdm(total=len(pending), disable=not progress, unit="doc", dynamic_ncols=True, desc=desc)
@@ -119,7 +119,8 @@ def score_plans(task: Task, plans: list[DocPlan], emit: Callable[[dict[str, Any]
     return totals
 
 
-def _job(r: Request, identifier: Any) -> DynamicJob:
+def engine_job(r: Request, identifier: Any) -> DynamicJob:
+    """The engine job of a task's Request."""
     return DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
                       stop_conditions=list(r.stop_conditions), gen_settings=r.sampler, seed=r.seed,
                       identifier=identifier, score_from=r.score_from)
@@ -129,10 +130,7 @@ def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: Run
              on_nonfinite: str) -> None:
     index, request = result["identifier"]
     entry = pending[index]
-    entry.answers.append(Answer(request, result["job"].state.new_ids, result["full_completion"],
-                                result.get("logits"), result["prompt_tokens"], result["cached_tokens"],
-                                result.get("eos_reason"), result.get("nonfinite_logits", 0),
-                                result.get("prompt_logprobs"), result.get("prompt_greedy")))
+    entry.answers.append(answer_of(request, result))
     totals.prompt_tokens += result["prompt_tokens"]
     totals.cached_tokens += result["cached_tokens"]
     if len(entry.answers) < len(entry.plan.requests):
@@ -144,6 +142,13 @@ def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: Run
                               f"its dtype is broken. The rows scored before it are kept ({totals.docs} this "
                               "session); pass --on-nonfinite flag to record such rows as wrong, flagged, and go on")
     out.scored(entry.plan, task.score(entry.plan, entry.answers))
+
+
+def answer_of(request: Request, result: dict) -> Answer:
+    """The Answer to a Request from its job's last result."""
+    return Answer(request, result["job"].state.new_ids, result["full_completion"], result.get("logits"),
+                  result["prompt_tokens"], result["cached_tokens"], result.get("eos_reason"),
+                  result.get("nonfinite_logits", 0), result.get("prompt_logprobs"), result.get("prompt_greedy"))
 
 
 def _emit(emit: Callable[[dict[str, Any]], None], totals: RunTotals, row: dict[str, Any]) -> None:
