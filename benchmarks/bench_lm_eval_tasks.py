@@ -81,6 +81,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> Any:
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--cache-tokens", type=int, default=131072)
     parser.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON")
+    parser.add_argument("--parts", default="mc,gen", help="with --vllm-python: which vLLM comparisons, "
+                        "comma-separated: mc (prompt log-probs), gen (greedy generation) (default: mc,gen)")
     return parser.parse_args(argv)
 
 
@@ -197,15 +199,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         include = write_tasks(Path(tmp), args.data_dir, args.docs)
         print(f"bench_mc: {args.docs} documents x 4 choices, 5-shot; dtype {describe_dtype(args)}")
-        if args.vllm_python is not None:
+        parts = {p.strip() for p in args.parts.split(",")} if args.vllm_python is not None else set()
+        if "mc" in parts:
             _, plans, theirs = mc_requests(tokenizer, model, include)
             mc = paired(args, model_dir, "vllm_score_runner.py", {"requests": theirs},
                         lambda: run_requests(args, model, tokenizer, plans))
             mc["requests_ours"], mc["requests_vllm"] = mc["_runs"][0]["jobs"], len(theirs)
+            mc["stats_ours"] = mc["_runs"][0]["stats"]
+            mc["tokens_vllm"] = sum(len(r["ids"]) for r in theirs)
             mc.pop("_runs"), mc.pop("_v")
             result["mc_vs_vllm"] = mc
             print(f"bench_mc vs vLLM (prompt log-probs): ours {mc['ours_seconds']:.2f} s, vLLM {mc['vllm_seconds']:.2f} s, "
                   f"median paired ratio {mc['speedup_vs_vllm']}")
+        if "gen" in parts:
             gen_task = LmEvalTask(load_tasks(["bench_gen"], str(include), None), args.gen_docs)
             prompts = [list(p.requests[0].input_ids) for p in gen_task.plan(tokenizer, model.max_seq_len)]
             g = paired(args, model_dir, "vllm_decode_runner.py", {"prompts": prompts, "new_tokens": args.new_tokens},
@@ -213,6 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             same = sum(a == b for a, b in zip(g["_runs"][0]["token_ids"], g["_v"]["token_ids"]))
             g.pop("_runs"), g.pop("_v")
             g["identical_sequences"] = same
+            g["prompt_tokens"] = sum(len(p) for p in prompts)
             result["gen_vs_vllm"] = g
             print(f"bench_gen vs vLLM (prefix caching): ours {g['ours_seconds']:.2f} s, vLLM {g['vllm_seconds']:.2f} s, "
                   f"median paired ratio {g['speedup_vs_vllm']}; identical sequences {same}/{len(prompts)}")

@@ -16,7 +16,8 @@ from evalrun.results import read_samples  # noqa: E402
 from lm_eval_fixtures import run_lm_eval_reference, write_fixture_tasks  # noqa: E402
 
 MMLU_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mmlu"
-CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0)]
+CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0),
+         ("mmlu_local_abstract_algebra", 5)]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,8 @@ def _close(a, b, tol=1e-4) -> bool:
 
 @pytest.mark.parametrize("task,shots", CASES)
 def test_task_equals_lm_eval(tiny_model_dir, include_path, tmp_path, task, shots):
+    if task.startswith("mmlu") and not MMLU_DIR.is_dir():
+        pytest.skip(f"no MMLU data at {MMLU_DIR}")
     ref = run_lm_eval_reference(tiny_model_dir, [task], include_path, num_fewshot=shots)
     rows = {r["doc_id"]: r for r in _ours(tiny_model_dir, task, include_path, tmp_path / "run",
                                           "--num-fewshot", str(shots), "--bootstrap-iters", "100000")}
@@ -120,6 +123,17 @@ def test_killed_run_resumes_to_the_same_rows_and_a_changed_yaml_is_refused(tiny_
         assert "--overwrite" in capsys.readouterr().err
     finally:
         yaml.write_text(original)
+    hooks = ["--tasks", "hellaswag_tiny", *args[2:]]
+    assert main(["task", *hooks, "--limit", "2", "--output-dir", str(tmp_path / "hooks")]) == 0
+    utils = include_path / "hellaswag_tiny" / "utils.py"
+    source = utils.read_text()
+    try:                                    # a !function hook's source is part of the task's identity
+        utils.write_text(source.replace("def preprocess(text):", "def preprocess(text):  # changed"))
+        capsys.readouterr()
+        assert main(["task", *hooks, "--limit", "2", "--output-dir", str(tmp_path / "hooks")]) == 2
+        assert "--overwrite" in capsys.readouterr().err
+    finally:
+        utils.write_text(source)
 
 
 def test_a_task_whose_documents_all_exceed_the_context_exits_2(tiny_model_dir, include_path, tmp_path, capsys):

@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 import math
+from pathlib import Path
 from typing import Any, Collection, Iterator, Optional, Sequence
 
 from .base import Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError, estimate_tokens, prompt_hash
@@ -121,6 +122,8 @@ class LmEvalTask:
         h = hashlib.sha256()
         for name, task in sorted(self.tasks.items()):
             h.update(json.dumps(task.dump_config(), sort_keys=True, default=_hook_source).encode())
+            for path in sorted(_hook_files(task.config)):     # a hook's helpers are in its file too
+                h.update(Path(path).read_bytes())
             dataset = getattr(task, "dataset", None)
             for split in sorted(dataset or {}):
                 h.update(f"{split}:{getattr(dataset[split], '_fingerprint', '')}".encode())
@@ -257,6 +260,20 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+def _hook_files(config: Any) -> set[str]:
+    """The source files of a task config's `!function` hooks (its callables)."""
+    files = set()
+    for value in vars(config).values():
+        if callable(value):
+            try:
+                path = inspect.getsourcefile(value)
+            except TypeError:
+                continue
+            if path and Path(path).is_file():
+                files.add(path)
+    return files
 
 
 def _hook_source(value: Any) -> str:
