@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,3 +266,13 @@ def _kept_random_state() -> Iterator[None]:
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
+
+
+def close(a: Any, b: Any, tol: float = 1e-4) -> bool:
+    """Responses, metrics or aggregates equal: numbers within tol (absolute or relative), lists item by
+    item (a tuple and a list alike, as JSON gives them), anything else exactly."""
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), abs_tol=tol, rel_tol=tol)
+    return a == b

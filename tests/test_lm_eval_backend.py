@@ -19,6 +19,7 @@ import evalrun.lm_eval_backend  # noqa: E402,F401 - registers "evalrun"
 from evalrun.errors import BadInput  # noqa: E402
 from evalrun.lm_eval_backend import main, request_seed  # noqa: E402
 from lm_eval_fixtures import _kept_random_state, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+from lm_eval_fixtures import close as _close  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MMLU_DIR = ROOT.parent / "shared" / "data" / "mmlu"
@@ -55,13 +56,6 @@ def _ours(model_dir: Path, tasks: list[str], include_path: Path, shots: int) -> 
                               task_manager=TaskManager(include_path=str(include_path), include_defaults=False))
     return json.loads(json.dumps({k: out[k] for k in ("results", "samples")}, default=handle_non_serializable))
 
-
-def _close(a, b, tol=1e-4) -> bool:
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), abs_tol=tol, rel_tol=tol)
-    return a == b
 
 
 @pytest.mark.parametrize("task,shots", CASES)

@@ -4,7 +4,6 @@ filtered responses and aggregate metrics (tests/lm_eval_fixtures.py writes the t
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu
 
 from evalrun.commands.cli import main  # noqa: E402
 from evalrun.results import read_samples  # noqa: E402
-from lm_eval_fixtures import run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+from lm_eval_fixtures import close as _close, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
 
 MMLU_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mmlu"
 CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0),
@@ -31,13 +30,6 @@ def _ours(model: Path, tasks: str, include: Path, out: Path, *extra: str) -> lis
     assert rc == 0
     return read_samples(out).to_dict("records")
 
-
-def _close(a, b, tol=1e-4) -> bool:
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(float(a), float(b), abs_tol=tol, rel_tol=tol)
-    return a == b
 
 
 @pytest.mark.parametrize("task,shots", CASES)

@@ -133,14 +133,16 @@ class LmEvalTask:
         return [k for k in self.instances if self.only is None or k in self.only]
 
     def restricted(self, keys: Collection[tuple]) -> "LmEvalTask":
-        return LmEvalTask(self.tasks, self.limit, keys if self.only is None else self.only & frozenset(keys), self.groups)
+        only = keys if self.only is None else self.only & frozenset(keys)
+        return LmEvalTask(self.tasks, self.limit, only, self.groups)
 
     def prefix_groups(self) -> list[PrefixGroup]:
         groups = []
         for name in self.tasks:
             keys = tuple(k for k in self.doc_keys() if k[0] == name)
             if keys:
-                sizes = tuple(sum(estimate_tokens(str(a)) for inst in self.instances[k] for a in inst.args) for k in keys)
+                sizes = tuple(sum(estimate_tokens(str(a)) for inst in self.instances[k] for a in inst.args)
+                              for k in keys)
                 groups.append(PrefixGroup(name, keys, 0, sizes, divisible=True))
         return groups
 
