@@ -19,7 +19,7 @@ class PromptScoreRows:
     sample_rows: torch.Tensor                        # rows of the logits that the sampled chunks use, in order
     jobs: list                                       # per scored row: its job
     targets: list[int]                               # per scored row: the prompt token it predicts
-    rows: list[int]                                  # per scored row: its row of the logits
+    rows: torch.Tensor                               # per scored row: its row of the logits
 
 
 def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache, device: torch.device,
@@ -89,7 +89,7 @@ def build_forward_batch(chunks: list[ScheduledChunk], cache: PagedCache, device:
     scores: Optional[PromptScoreRows] = None
     if scored_jobs:
         scores = PromptScoreRows(torch.tensor(sample_at, dtype=torch.long, device=device), scored_jobs, targets,
-                                 score_at)
+                                 torch.tensor(score_at, dtype=torch.long, device=device))
     return batch, sampled, scores
 
 

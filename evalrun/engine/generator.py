@@ -146,8 +146,7 @@ class DynamicGenerator:
         batch, sampled, scores = build_forward_batch(chunks, self.cache, self.model.device, with_scores=True)
         logits = self.model.forward(batch, self.cache)                        # [N, V] float32
         if scores is not None:                          # prompt tokens of jobs with score_from
-            rows = logits.index_select(0, torch.tensor(scores.rows, dtype=torch.long, device=logits.device))
-            values, greedy = score_prompt_rows(scores.jobs, scores.targets, rows)
+            values, greedy = score_prompt_rows(scores.jobs, scores.targets, logits.index_select(0, scores.rows))
             for job, value, top in zip(scores.jobs, values, greedy):
                 self.outputs[id(job)].scored(value, top)
             logits = logits.index_select(0, scores.sample_rows)

@@ -121,7 +121,7 @@ class LmEvalTask:
         (--limit may grow on resume: every document keeps its few-shot examples)."""
         h = hashlib.sha256()
         for name, task in sorted(self.tasks.items()):
-            h.update(json.dumps(task.dump_config(), sort_keys=True, default=_hook_source).encode())
+            h.update(json.dumps(task.dump_config(), sort_keys=True, default=str).encode())
             for path in sorted(_hook_files(task.config)):     # a hook's helpers are in its file too
                 h.update(Path(path).read_bytes())
             dataset = getattr(task, "dataset", None)
@@ -276,10 +276,3 @@ def _hook_files(config: Any) -> set[str]:
             if path and Path(path).is_file():
                 files.add(path)
     return files
-
-
-def _hook_source(value: Any) -> str:
-    try:
-        return inspect.getsource(value)
-    except (OSError, TypeError):
-        return repr(value)
