@@ -112,6 +112,9 @@ class DynamicGenerator:
         bad = sorted(t for t in job.stop_tokens if not 0 <= t < vocab)
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        bad = [t for t in job.think_end or () if not t < vocab]
+        if bad:
+            raise ValueError(f"think_end token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         if job.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass tokenizer= to DynamicGenerator")
         if job.state.serial or job.state.kv is not None or job.state.new_ids:
@@ -167,13 +170,13 @@ class DynamicGenerator:
 
     def _drafts(self, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:
         """Draft tokens of the step's decoding jobs that are worth verifying (by job id), within the
-        scheduler's draft budget."""
+        scheduler's draft budget; never reaching a position a thinking budget forces (draft_horizon)."""
         sched, spec = self.scheduler, self.spec
         budget = sched.draft_budget(chunks)
         jobs = [ch.job for ch in chunks if ch.is_decode]
         if budget <= 0 or not jobs:
             return {}
-        limits = {id(j): min(budget, max_draft(j.num_tokens, len(j.state.new_ids), j.max_new_tokens,
+        limits = {id(j): min(budget, max_draft(j.num_tokens, len(j.state.new_ids), j.draft_horizon,
                                                self.model.max_seq_len, self.cache.window, spec.num_draft_tokens))
                   for j in jobs}
         if self.draft is None:

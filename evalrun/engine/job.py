@@ -25,12 +25,25 @@ class DynamicJob:
                  gen_settings: Optional[SamplerSettings] = None, seed: Optional[int] = None,
                  identifier: Any = None, return_logits: bool = False, return_top_tokens: int = 0,
                  return_probs: bool = False, decode_special_tokens: bool = False,
-                 score_from: Optional[int] = None):
+                 score_from: Optional[int] = None, think_end: Optional[Sequence[int]] = None,
+                 max_thinking_tokens: Optional[int] = None):
         """score_from: also score the prompt from this position on: the final result carries
         `prompt_logprobs` (each prompt token's float32 log-softmax log-probability given the tokens
         before it, positions score_from .. prompt_len - 1) and `prompt_greedy` (whether it was the
         argmax), as a log-likelihood request needs. Those positions are always computed by this
-        job (a cached prefix is reused only before position score_from - 1)."""
+        job (a cached prefix is reused only before position score_from - 1).
+        think_end: the token ids of a reasoning model's end-of-thinking marker (e.g. `</think>`). Until
+        the generated ids contain it the job is thinking: stop token ids still end it, stop strings are
+        matched only in the text generated after the marker.
+        max_thinking_tokens=N (budget forcing, needs think_end): if the first N generated tokens do not
+        contain the marker, tokens N .. N + len(think_end) - 1 are the marker, whatever the sampler
+        picks (a marker the model began at the boundary is forced whole all the same); then the
+        answer follows. max_new_tokens stays the budget of thinking and answer together. A forced
+        position is sampled as any other (a sampling job spends its one draw there, a greedy one none)
+        and the pick replaced by the marker's token, so a seeded job's draws are those of an unforced
+        run, alone or batched. Nothing is drafted at forced positions (`draft_horizon`).
+        The final result carries `thinking_tokens` (generated tokens up to and including the marker;
+        all of them if it never came) and `thinking_forced`."""
         self.prompt_ids = _as_id_list(input_ids)
         if not self.prompt_ids:
             raise ValueError("empty prompt: a job needs at least one input token")
@@ -56,6 +69,7 @@ class DynamicJob:
         self.return_top_tokens = return_top_tokens
         self.return_probs = return_probs
         self.decode_special_tokens = decode_special_tokens
+        self.think_end, self.max_thinking_tokens = _check_thinking(think_end, max_thinking_tokens, max_new_tokens)
         self.state = JobState(rng=make_generator(seed))
 
     @property
@@ -75,6 +89,31 @@ class DynamicJob:
         """Prompt positions before this one may come from the cache (the rest are computed here)."""
         last = len(self.prompt_ids) - 1
         return last if self.score_from is None else min(last, self.score_from - 1)
+
+    @property
+    def thinking(self) -> bool:
+        """The job has a think_end and its marker has not come yet."""
+        return self.think_end is not None and self.state.thinking_tokens is None
+
+    def forced_token(self) -> Optional[int]:
+        """The token the job's next position must be (budget forcing), None where the sampler picks.
+
+        NOTE: the marker goes in whole at new tokens N .. N + L - 1 (N = max_thinking_tokens,
+        L = len(think_end)); JobOutput ends the thinking at N + L exactly, so n - N < L here.
+        """
+        n, budget = len(self.state.new_ids), self.max_thinking_tokens
+        if budget is None or n < budget or not self.thinking:
+            return None
+        return self.think_end[n - budget]
+
+    @property
+    def draft_horizon(self) -> int:
+        """New tokens a speculative step may reach (drafts and the bonus token): max_new_tokens, but
+        never a forced position: while a thinking budget runs, the budget (so nothing is drafted
+        while the marker is forced)."""
+        if self.max_thinking_tokens is not None and self.thinking:
+            return self.max_thinking_tokens
+        return self.max_new_tokens
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)
@@ -99,6 +138,8 @@ WRITERS = {
     "nonfinite_logits": "verify.py",
     "drafter": "generator.py",
     "draft": "job.py",                   # made here; DraftPolicy (speculation.py) alone writes its fields
+    "thinking_tokens": "output.py",
+    "thinking_forced": "output.py",
 }
 
 
@@ -120,11 +161,35 @@ class JobState:
     nonfinite_logits: int = 0             # sampled positions whose logits held a NaN or an Inf
     drafter: Optional[NgramDrafter] = None    # n-gram drafting over the job's kept tokens
     draft: DraftRecord = field(default_factory=DraftRecord)   # speculative drafting history
+    thinking_tokens: Optional[int] = None    # with think_end: new tokens up to and including the marker,
+                                             # once it came (None: still thinking)
+    thinking_forced: bool = False            # the marker was forced (max_thinking_tokens)
 
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens reused from the cache (whole pages and copied slots), not computed."""
         return 0 if self.kv is None else self.kv.cached_tokens
+
+
+def _check_thinking(think_end: Optional[Sequence[int]], budget: Optional[int],
+                    max_new_tokens: int) -> tuple[Optional[tuple[int, ...]], Optional[int]]:
+    if think_end is not None:
+        if isinstance(think_end, (str, bytes)):
+            raise ValueError(f"think_end must be token ids, not the text {think_end!r}: encode it first")
+        think_end = tuple(think_end.tolist() if isinstance(think_end, torch.Tensor) else think_end)
+        if not think_end:
+            raise ValueError("think_end is empty: give the end-of-thinking marker's token ids, or None")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in think_end):
+            raise ValueError(f"think_end must be token ids (integers >= 0), got {think_end!r}")
+    if budget is not None:
+        if think_end is None:
+            raise ValueError("max_thinking_tokens needs think_end (the marker to force)")
+        _check_int("max_thinking_tokens", budget, 0)
+        if budget >= max_new_tokens:
+            raise ValueError(f"max_thinking_tokens ({budget}) must be below max_new_tokens ({max_new_tokens}), "
+                             "which counts thinking and answer together")
+    return think_end, budget
+
 
 def _as_id_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(ids, torch.Tensor):

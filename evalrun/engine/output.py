@@ -1,5 +1,9 @@
 """Per-job output stream: sampled token -> text chunk, stop checks, result dicts.
 
+A job with a think_end (a reasoning model's end-of-thinking marker) is thinking until its tokens
+contain the marker, or until its thinking budget forced it: stop token ids end it all along, stop
+strings are matched only in the text after the marker (the thinking's text passes unmatched).
+
 NOTE: this module alone writes a job's kept tokens (`JobState.new_ids`) and its timings: a
 target job's through `JobOutput`, a draft model's mirror job's through `follow` and `push_draft`.
 """
@@ -11,7 +15,7 @@ from typing import Optional
 import torch
 
 from .job import DynamicJob
-from .sampler import SampleResult, top_k_of
+from .sampler import SampleResult, forced, top_k_of
 from .stops import StopStringMatcher
 from .streaming import StreamingDecoder
 from .tokenizer import Tokenizer
@@ -42,15 +46,23 @@ class JobOutput:
 
     def accept(self, samples: list[SampleResult], logits: Optional[torch.Tensor]) -> GeneratorResult:
         """The job's next tokens, in order (several when draft tokens were accepted); tokens
-        after the one that ends the job are dropped. logits: [len(samples), V] or None."""
+        after the one that ends the job are dropped. A position its thinking budget forces takes
+        the marker's token in place of the sample (never drafted: DynamicJob.draft_horizon).
+        logits: [len(samples), V] or None."""
         job, st = self.job, self.job.state
-        reason, texts, kept = None, [], 0
+        reason, texts, taken = None, [], []
         for smp in samples:
+            force = job.forced_token()
+            if force is not None:
+                if len(samples) > 1:
+                    raise RuntimeError("a draft reached a position the thinking budget forces — this is a bug")
+                smp = forced(smp, force)
+                st.thinking_forced = True
             st.new_ids.append(smp.token)
             if len(st.new_ids) == 1:
                 st.time_first_token = time.time()
-            kept += 1
-            reason, text = self._advance(smp.token)
+            taken.append(smp)
+            reason, text = self._advance(smp.token, force is not None)
             texts.append(text)
             if reason is not None:
                 break
@@ -58,20 +70,23 @@ class JobOutput:
         self.text.append(text)
         result: GeneratorResult = {
             "job": job, "identifier": job.identifier, "stage": "streaming",
-            "eos": reason is not None, "text": text, "token_ids": [s.token for s in samples[:kept]],
+            "eos": reason is not None, "text": text, "token_ids": [s.token for s in taken],
         }
-        self._extras(result, samples[:kept], None if logits is None else logits[:kept])
+        self._extras(result, taken, None if logits is None else logits[:len(taken)])
         if reason is not None:
             self._finish(result, reason)
         return result
 
-    def _advance(self, token: int) -> tuple[Optional[str], str]:
+    def _advance(self, token: int, was_forced: bool) -> tuple[Optional[str], str]:
         job = self.job
         n_new = len(job.state.new_ids)
+        thinking = job.thinking              # before this token: its text (the marker's too) is thinking
+        if thinking:
+            self._end_thinking(was_forced)
         if token in job.stop_tokens and n_new > job.min_new_tokens:
             return "stop_token", self._flush()
         text = self.decoder.push(token) if self.decoder else ""
-        if self.matcher is not None and n_new > job.min_new_tokens:
+        if self.matcher is not None and not thinking and n_new > job.min_new_tokens:
             text, stopped = self.matcher.feed(text)
             if stopped:
                 return "stop_string", text
@@ -79,9 +94,21 @@ class JobOutput:
             return "max_new_tokens", text + self._flush()
         return None, text
 
+    def _end_thinking(self, was_forced: bool) -> None:
+        """The newest token may complete the marker: the model's own (the job's last len(think_end)
+        tokens), or the forced one (the last of the marker forced from max_thinking_tokens on)."""
+        job, st = self.job, self.job.state
+        n, marker = len(st.new_ids), job.think_end
+        if was_forced:
+            done = n == job.max_thinking_tokens + len(marker)
+        else:
+            done = tuple(st.new_ids[-len(marker):]) == marker
+        if done:
+            st.thinking_tokens = n
+
     def _flush(self) -> str:
         tail = self.decoder.flush() if self.decoder else ""
-        if self.matcher is not None:
+        if self.matcher is not None and not self.job.thinking:
             tail, _ = self.matcher.feed(tail)
             tail += self.matcher.flush()
         return tail
@@ -113,6 +140,9 @@ class JobOutput:
         )
         if self.job.score_from is not None:
             result.update(prompt_logprobs=list(self.prompt_logprobs), prompt_greedy=list(self.prompt_greedy))
+        if self.job.think_end is not None:
+            thought = len(st.new_ids) if st.thinking_tokens is None else st.thinking_tokens
+            result.update(thinking_tokens=thought, thinking_forced=st.thinking_forced)
 
 
 # --- a draft model's mirror job (evalrun/engine/draft_model.py) -------------------------------------

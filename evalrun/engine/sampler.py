@@ -13,7 +13,9 @@ Order of operations for one token (see `sample`):
 
 NOTE: a non-greedy job consumes exactly one draw from its own generator per
 token and a greedy job consumes none, so a job's samples do not depend on
-which other jobs share its batch or in which order they are sampled.
+which other jobs share its batch or in which order they are sampled. A token
+forced on a job (its thinking budget) is sampled all the same and then replaced
+(`forced`): it spends the same draw.
 """
 from __future__ import annotations
 
@@ -199,6 +201,13 @@ def sample(
             raise ValueError(f"temperature={s.temperature} samples at random, so sample() needs a generator")
         token = inverse_cdf(probs, draw(generator))
     return SampleResult(token=token, prob=float(probs[token]), probs=probs)
+
+
+def forced(smp: SampleResult, token: int) -> SampleResult:
+    """smp with its token replaced by `token` (budget forcing: DynamicJob.max_thinking_tokens); its
+    distribution stays (probs None: the greedy fast path's), and the draw that made smp stays spent."""
+    prob = float("nan") if smp.probs is None else float(smp.probs[token])
+    return SampleResult(token=token, prob=prob, probs=smp.probs)
 
 
 def target_distribution(logits: Tensor, s: SamplerSettings, history: Optional[Tensor],

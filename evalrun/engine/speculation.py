@@ -38,6 +38,10 @@ acceptance, and a batch whose rows already keep the machine busy (b E large agai
 little or nothing. With no job waiting, the run lasts as long as its longest jobs, so drafting
 pays only when each of those keeps enough of its drafts (`DraftPolicy._for_makespan`). A margin
 above 1 keeps estimation error from making a step slower.
+
+Budget forcing (DynamicJob.max_thinking_tokens): a job's drafts and bonus token stop short of the
+positions where its end-of-thinking marker is forced (`max_draft` gets the job's `draft_horizon`), so
+a job drafts nothing while it is forced and a forced token is always a step's one token.
 """
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ def engine_job(r: Request, identifier: Any) -> DynamicJob:
     """The engine job of a task's Request."""
     return DynamicJob(list(r.input_ids), max_new_tokens=r.max_new_tokens, return_logits=r.return_logits,
                       stop_conditions=list(r.stop_conditions), gen_settings=r.sampler, seed=r.seed,
-                      identifier=identifier, score_from=r.score_from)
+                      identifier=identifier, score_from=r.score_from, think_end=r.think_end or None,
+                      max_thinking_tokens=r.max_thinking_tokens)
 
 
 def _collect(task: Task, pending: dict[int, _Pending], result: dict, totals: RunTotals, out: _Emitter,
@@ -148,7 +149,8 @@ def answer_of(request: Request, result: dict) -> Answer:
     """The Answer to a Request from its job's last result."""
     return Answer(request, result["job"].state.new_ids, result["full_completion"], result.get("logits"),
                   result["prompt_tokens"], result["cached_tokens"], result.get("eos_reason"),
-                  result.get("nonfinite_logits", 0), result.get("prompt_logprobs"), result.get("prompt_greedy"))
+                  result.get("nonfinite_logits", 0), result.get("prompt_logprobs"), result.get("prompt_greedy"),
+                  result.get("thinking_tokens"), result.get("thinking_forced", False))
 
 
 def _emit(emit: Callable[[dict[str, Any]], None], totals: RunTotals, row: dict[str, Any]) -> None:

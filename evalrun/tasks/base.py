@@ -48,6 +48,8 @@ class Request:
     sampler: Optional[SamplerSettings] = None       # None: greedy
     seed: Optional[int] = None
     score_from: Optional[int] = None                # also score the prompt from here (DynamicJob.score_from)
+    think_end: tuple[int, ...] = ()                 # end-of-thinking marker's ids (DynamicJob.think_end); (): none
+    max_thinking_tokens: Optional[int] = None       # thinking budget (DynamicJob.max_thinking_tokens)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Answer:
     nonfinite_logits: int = 0           # positions whose logits held a NaN or Inf (a broken model)
     prompt_logprobs: Optional[list[float]] = None   # with Request.score_from
     prompt_greedy: Optional[list[bool]] = None
+    thinking_tokens: Optional[int] = None           # with Request.think_end: tokens up to and including the marker
+    thinking_forced: bool = False                   # the thinking budget forced the marker
 
 
 @dataclass
@@ -73,6 +77,7 @@ class DocPlan:
     info: dict[str, Any] = field(default_factory=dict)   # carried into the row
     skip_reason: Optional[str] = None
     prompt: Optional[str] = None        # the prompt's text, stored once per info["prompt_hash"]
+    chat: Optional[dict] = None         # a chat prompt's source: {"messages", "generation_prompt"} (for `show`)
 
 
 @dataclass(frozen=True)
