@@ -275,11 +275,12 @@ EOS_KEYS = {"eos_reason", "full_completion", "new_tokens", "prompt_tokens", "cac
             "time_enqueued", "time_prefill", "time_generate", "nonfinite_logits",
             "drafted_tokens", "accepted_draft_tokens"}
 SCORE_KEYS = {"prompt_logprobs", "prompt_greedy"}              # with score_from (tests/test_prompt_scores.py)
+THINK_KEYS = {"thinking_tokens", "thinking_forced"}            # with think_end (tests/test_thinking.py)
 EXTRA_KEYS = {"logits", "top_k_tokens", "top_k_probs", "token_probs"}
 
 
 def test_documented_keys_match_types_module() -> None:
-    assert set(GeneratorResult.__annotations__) == BASE_KEYS | EOS_KEYS | EXTRA_KEYS | SCORE_KEYS
+    assert set(GeneratorResult.__annotations__) == BASE_KEYS | EOS_KEYS | EXTRA_KEYS | SCORE_KEYS | THINK_KEYS
 
 
 @pytest.mark.parametrize("settings", [None, SAMPLED], ids=["greedy", "sampled"])

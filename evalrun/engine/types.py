@@ -36,6 +36,9 @@ class GeneratorResult(_ResultBase, total=False):
     prompt_logprobs: list[float]  # with score_from: log p(prompt token | the tokens before it), float32
                                   # log-softmax, for positions score_from .. prompt_len - 1
     prompt_greedy: list[bool]     # with score_from: whether each of those tokens was the argmax
+    thinking_tokens: int          # with think_end: generated tokens up to and including the marker (all of
+                                  # them when it never came)
+    thinking_forced: bool         # with think_end: the thinking budget forced the marker
 
 
 class GeneratorStats(TypedDict):
