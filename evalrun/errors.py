@@ -6,6 +6,7 @@ import json
 import os
 from typing import Optional
 
+from evalrun.engine.chat_template import ChatTemplateError
 from evalrun.engine.config import ConfigError
 from evalrun.engine.tokenizer import TokenizerError
 from evalrun.engine.weights import WeightsError
@@ -36,8 +37,9 @@ _WRITE_HINTS = {
 
 
 def as_bad_input(exc: BaseException) -> Optional[BadInput]:
-    user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TokenizerError, TaskDataError,
-                   TaskSettingError, ResumeMismatchError, NotARunDirError, RunDirBusyError, json.JSONDecodeError)
+    user_errors = (FileNotFoundError, NotADirectoryError, ConfigError, WeightsError, TokenizerError, ChatTemplateError,
+                   TaskDataError, TaskSettingError, ResumeMismatchError, NotARunDirError, RunDirBusyError,
+                   json.JSONDecodeError)
     if isinstance(exc, user_errors):
         return BadInput(str(exc))
     if isinstance(exc, OSError) and exc.errno in _WRITE_HINTS and exc.filename:    # a file the user can act on

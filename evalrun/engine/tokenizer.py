@@ -21,13 +21,14 @@ import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import jinja2
 import tokenizers
 
-from evalrun.engine.chat_template import compile_chat_template, find_chat_template, render_chat_template
+from evalrun.engine.chat_template import (ChatTemplate, ChatTemplateError, ChatTemplates, find_chat_templates,
+                                          finish_continuation, prepare_chat)
 from evalrun.engine.gguf import is_gguf
 from evalrun.engine.gguf_tokenizer import read_gguf_tokenizer
 from evalrun.engine.streaming import StreamingDecoder
+from evalrun.engine.template_renderer import RenderLimits, TemplateRenderer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -72,7 +73,8 @@ class Tokenizer:
         special_tokens: dict[str, str],
         bos_token_id: Optional[int],
         eos_token_ids: list[int],
-        chat_template: Optional[str],
+        chat_templates: ChatTemplates,
+        render_limits: RenderLimits = RenderLimits(),
     ) -> None:
         self._hf = hf_tokenizer
         self._hf.encode_special_tokens = True  # default: special strings are plain text
@@ -82,15 +84,17 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id: Optional[int] = eos_token_ids[0] if eos_token_ids else None
         self.eos_token_ids = eos_token_ids
-        self.chat_template = chat_template
-        self._compiled_template: Optional[jinja2.Template] = None
+        self.chat_templates = chat_templates
+        self._templates: dict[str, ChatTemplate] = {}       # read and checked once, by name
+        self._renderer = TemplateRenderer(render_limits)     # its worker starts on the first render
         ids = hf_tokenizer.get_vocab(with_added_tokens=True).values()
         self.vocab_size: int = max(ids) + 1 if ids else 0
 
     @classmethod
-    def load(cls, model_dir: Union[str, Path]) -> "Tokenizer":
+    def load(cls, model_dir: Union[str, Path], render_limits: RenderLimits = RenderLimits()) -> "Tokenizer":
         """Load from a Hugging Face model directory (needs tokenizer.json), or from a .gguf file's
         metadata (engine/gguf_tokenizer.py: the ids transformers' GGUF tokenizer gives).
+        `render_limits` bound each chat-template render (engine/template_renderer.py).
 
         Raises FileNotFoundError naming the directory if tokenizer.json is missing.
         """
@@ -98,7 +102,7 @@ class Tokenizer:
         if is_gguf(model_dir):         # a llama.cpp file: the tokenizer its metadata describes
             parts = read_gguf_tokenizer(model_dir)
             return cls(parts.backend, model_dir, parts.special_tokens, parts.bos_token_id, parts.eos_token_ids,
-                       parts.chat_template)
+                       ChatTemplates.from_source(parts.chat_template, model_dir), render_limits)
         path = model_dir / TOKENIZER_FILE
         if not path.is_file():
             raise FileNotFoundError(
@@ -124,8 +128,8 @@ class Tokenizer:
             + _as_id_list(gen_config.get("eos_token_id"))
             + _as_id_list(model_config.get("eos_token_id"))
         )
-        template = find_chat_template(model_dir, tok_config)
-        return cls(hf, model_dir, special_tokens, bos_id, eos_ids, template)
+        templates = find_chat_templates(model_dir, tok_config)
+        return cls(hf, model_dir, special_tokens, bos_id, eos_ids, templates, render_limits)
 
     def encode(
         self, text: str, add_bos: bool = False, encode_special_tokens: bool = False
@@ -174,24 +178,76 @@ class Tokenizer:
         """A fresh incremental detokenizer over this tokenizer."""
         return StreamingDecoder(self, decode_special_tokens=decode_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        """Render `messages` with the model's chat template (extra kwargs become
-        template variables, e.g. tools=..., enable_thinking=False).
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: Union[bool, str] = False, template: Optional[str] = None,
+                            **kwargs: Any) -> str:
+        """Render `messages` with the model's chat template: the string transformers'
+        `apply_chat_template(messages, tokenize=False, add_generation_prompt=..., continue_final_message=...,
+        chat_template=<the selected template>, **kwargs)` gives. Extra kwargs are template variables
+        (tools=..., documents=..., enable_thinking=False, ...), over the special tokens.
+        `template` names one of chat_template_names() (None: the default, or "tool_use" when tools are given).
 
-        Raises ValueError if the model directory has no chat template.
+        The template runs bounded in a worker process (engine/template_renderer.py). Raises
+        ChatTemplateError (a ValueError), one line naming the template's file, for a missing, refused,
+        failing or runaway template.
         """
-        if self._compiled_template is None:
-            if self.chat_template is None:
-                raise ValueError(
-                    f"model {str(self.model_dir)!r} has no chat template "
-                    "(no tokenizer_config.json 'chat_template' and no chat_template.jinja)"
-                )
-            self._compiled_template = compile_chat_template(self.chat_template)
-        return render_chat_template(
-            self._compiled_template, messages, add_generation_prompt, self.special_tokens, **kwargs
-        )
+        return self.apply_chat_template_many([messages], add_generation_prompt, continue_final_message,
+                                             template, **kwargs)[0]
+
+    def apply_chat_template_many(self, conversations: Sequence[list[dict]], add_generation_prompt: bool = True,
+                                 continue_final_message: Union[bool, str] = False, template: Optional[str] = None,
+                                 **kwargs: Any) -> list[str]:
+        """apply_chat_template for each conversation, sent to the render worker in batches (a round trip
+        per RENDERS_PER_REQUEST conversations instead of one per conversation)."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible: "
+                                    "pass add_generation_prompt=False to continue the final message")
+        chosen = self._chat_template(template, kwargs.get("tools") is not None)
+        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        _check_tools_and_documents(tools, documents)
+        shared = {**self.special_tokens, **kwargs, "tools": tools, "documents": documents,
+                  "add_generation_prompt": add_generation_prompt}
+        prepared = [prepare_chat(messages, chosen, continue_final_message) for messages in conversations]
+        texts = self._renderer.render_many(chosen, [{**shared, "messages": chat} for chat, _ in prepared])
+        return [text if final is None else finish_continuation(text, final, chosen)
+                for text, (_, final) in zip(texts, prepared)]
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The source of the model's "default" chat template (None when it has none); read and checked
+        as apply_chat_template reads it."""
+        if "default" not in self.chat_templates.entries:
+            return None
+        return self._chat_template("default", has_tools=False).source
+
+    def chat_template_names(self) -> list[str]:
+        """The names of the model's chat templates, sorted ("default" among them when it has one)."""
+        return self.chat_templates.names()
+
+    def chat_template_hash(self, template: Optional[str] = None) -> str:
+        """The sha256 (hex) of the selected template's source: `template` as in apply_chat_template
+        (None: the default)."""
+        return self._chat_template(template, has_tools=False).sha256
+
+    def close(self) -> None:
+        """Stop the chat-template render worker (a later render starts a new one)."""
+        self._renderer.close()
+
+    def _chat_template(self, name: Optional[str], has_tools: bool) -> ChatTemplate:
+        chosen = self.chat_templates.select(name, has_tools)
+        if chosen not in self._templates:
+            self._templates[chosen] = self.chat_templates.load(chosen)
+        return self._templates[chosen]
+
+
+def _check_tools_and_documents(tools: Any, documents: Any) -> None:
+    # transformers takes callables as tools too (it turns them into JSON schemas); we take the schemas
+    for tool in tools or ():
+        if not isinstance(tool, dict):
+            raise TypeError(f"tools must be JSON schemas (dicts), got {type(tool).__name__}")
+    for document in documents or ():
+        if not isinstance(document, dict):
+            raise TypeError("documents must be dicts with 'title' and 'text' keys")
 
 
 def _resolve_id(hf: tokenizers.Tokenizer, content: Optional[str], fallback: Any) -> Optional[int]:
