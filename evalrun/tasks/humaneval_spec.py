@@ -1,6 +1,7 @@
 """HumanEval's registry entry: its options, the sandbox that must be open while its samples are
 scored, its printed summary and its `evalrun show` row. `--score-samples FILE` makes the same command
-score a samples file without a model (the humaneval-score task, evalrun/tasks/humaneval_samples.py)."""
+score a samples file without a model (the humaneval-score task, evalrun/tasks/humaneval_samples.py).
+The chat flags (evalrun/tasks/chat.py) ask instruct models; `--chat` is `--apply-chat-template`."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,7 @@ from typing import Any, ClassVar, Iterator, Optional, Union
 from evalrun.engine import SamplerSettings
 
 from .base import TaskSettingError
+from .chat import CHAT_CLI_ARGS, DEFAULT_TEMPLATE, ChatOptions, with_chat_options
 from .humaneval import KEY_COLUMNS, HumanEvalSettings, HumanEvalTask, summarize_rows
 from .humaneval_data import HumanEvalData, load_humaneval
 from .humaneval_samples import SCORE_TASK, HumanEvalScoreTask, export_samples, read_samples_file
@@ -33,7 +35,6 @@ class HumanEvalOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 512
-    chat: bool = False
     timeout: float = 3.0
     workers: int = 1
     exec_memory_mb: int = 1024
@@ -42,6 +43,7 @@ class HumanEvalOptions:
     score_samples: Optional[str] = None
     export_samples: Optional[str] = None
     execute_on: str = "driver"
+    chat: ChatOptions = ChatOptions()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -117,8 +119,10 @@ def _identity(options: HumanEvalOptions, task: Union[HumanEvalTask, HumanEvalSco
     if isinstance(task, HumanEvalScoreTask):
         return {"samples_sha256": task.digest, "data_fingerprint": task.fingerprint(), **limits}
     s = task.settings
+    # NOTE: "chat" is False where no chat option is given, as in every run made before the chat options
+    # (they resume); else ChatOptions.identity(), as the task command's chat identity (which adds the template's hash)
     return {"data_fingerprint": task.fingerprint(), "temperature": s.sampler.temperature, "top_p": s.sampler.top_p,
-            "max_new_tokens": s.max_new_tokens, "chat": s.chat, "seed": s.seed, **limits}
+            "max_new_tokens": s.max_new_tokens, "chat": s.chat.identity() or False, "seed": s.seed, **limits}
 
 
 def _manifest_extra(options: HumanEvalOptions, task: Union[HumanEvalTask, HumanEvalScoreTask]) -> dict[str, Any]:
@@ -180,11 +184,25 @@ def show_row(row: dict[str, Any]) -> str:
     out = f"{head}: {row.get('exec_status')} ({row.get('stop_reason')}, {row.get('new_tokens')} new tokens)"
     if row.get("error"):
         out += f"\nerror: {row['error']}"
-    return out + "\ncompletion:\n" + textwrap.indent(str(row.get("completion", "")), "  | ", lambda line: True)
+    out += "\ncompletion:\n" + _quoted(row.get("completion", ""))
+    if isinstance(row.get("response"), str):                   # instruct mode: the answer the code came from
+        out += "\nresponse:\n" + _quoted(row["response"])
+    return out
+
+
+def _quoted(text: Any) -> str:
+    return textwrap.indent(str(text), "  | ", lambda line: True)
 
 
 def _pass_at_1(n: int, c: int) -> float:
     return pass_at_k(n, c, 1)
+
+
+def _options(**values: Any) -> HumanEvalOptions:
+    """The options record from the CLI's values; --chat (deprecated) is --apply-chat-template."""
+    if values.pop("deprecated_chat", False) and values.get("apply_chat_template") is None:
+        values["apply_chat_template"] = DEFAULT_TEMPLATE
+    return with_chat_options(HumanEvalOptions)(**values)
 
 
 CLI_ARGS = (
@@ -197,8 +215,8 @@ CLI_ARGS = (
     CliArg(("--temperature",), "sampling temperature (default: 0, greedy)", type=float, default=0.0),
     CliArg(("--top-p",), "nucleus sampling (default: 1.0, off)", type=float, default=1.0),
     CliArg(("--max-new-tokens",), "tokens per completion (default: 512)", type=int, default=512),
-    CliArg(("--chat",), "ask through the model's chat template and take the code block of the answer "
-                        "(default: off, completion mode)", switch=True),
+    CliArg(("--chat",), "deprecated: the same as --apply-chat-template, the same prompts and the same run "
+                        "(default: off)", dest="deprecated_chat", switch=True),
     CliArg(("--timeout",), "seconds per program, wall clock (default: 3.0)", type=float, default=3.0),
     CliArg(("--workers",), "programs executed at once (default: min(4, CPUs))", type=int,
            default=min(4, os.cpu_count() or 1)),
@@ -224,8 +242,9 @@ SPEC = TaskSpec(
     unit_score=_pass_at_1, aliases=(SCORE_TASK,),
     help="HumanEval (164 problems): n samples per problem, sandboxed tests, pass@k",
     description="Generate completions for HumanEval and execute each one in a sandbox while generation goes on; "
-                "rows land in OUTPUT_DIR as each sample is scored, and a rerun resumes. --score-samples scores an "
+                "rows land in OUTPUT_DIR as each sample is scored, and a rerun resumes. --apply-chat-template asks an "
+                "instruct model for the completed function and runs the code of its answer. --score-samples scores an "
                 "existing samples.jsonl instead.",
-    cli_args=CLI_ARGS, options=HumanEvalOptions, build=_build, identity=_identity, manifest_extra=_manifest_extra,
-    unit="samples", run_name=_run_name, context=_context, per_run=_per_run, model_free=_model_free,
-    summarize=_summarize, report=report, show_row=show_row)
+    cli_args=CLI_ARGS + CHAT_CLI_ARGS, options=_options, build=_build, identity=_identity,
+    manifest_extra=_manifest_extra, unit="samples", run_name=_run_name, context=_context, per_run=_per_run,
+    model_free=_model_free, summarize=_summarize, report=report, show_row=show_row)
