@@ -189,6 +189,7 @@ def run_lm_eval_reference(
     include_path: Path,
     num_fewshot: Optional[int] = None,
     limit: Optional[int] = None,
+    **chat: Any,
 ) -> dict:
     """Run lm-eval 0.4.13's `simple_evaluate` (HF backend, float32, CPU, batch size 1, default
     seeds: random 0, numpy / torch / few-shot sampler 1234, 100000 bootstrap iterations) on
@@ -231,6 +232,7 @@ def run_lm_eval_reference(
             log_samples=True,
             batch_size=1,
             device="cpu",
+            **chat,
         )
     keys = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better",
             "n-samples", "samples")

@@ -241,7 +241,8 @@ class _BosTokenizer:
         return self.text
 
     def encode_as_transformers(self, text, add_special_tokens=True):
-        self.calls.append(add_special_tokens)
+        if text == self.text:                       # (not the end-of-thinking probe)
+            self.calls.append(add_special_tokens)
         return [1, 5, 6]
 
 

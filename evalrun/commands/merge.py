@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 import pyarrow as pa
 
 from evalrun.errors import BadInput
-from evalrun.results import RunStore, environment_info, read_prompts, write_prompts, write_summary
+from evalrun.results import (RunStore, environment_info, read_prompt_messages, read_prompts, write_prompts,
+                             write_summary)
 from evalrun.results.errors import RunReadError
 from evalrun.results.manifest import utc_now
 from evalrun.results.run_reader import finished_manifest, read_finished_rows
@@ -198,10 +199,13 @@ def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
     with RunStore.open(out, merged_manifest(shards, argv), first["key_columns"], overwrite=overwrite,
                        flush_rows=sys.maxsize, flush_seconds=_NEVER) as store:
         prompts: dict[str, str] = {}
+        messages: dict[str, Any] = {}
         for shard in shards:
             for digest, text in read_prompts(shard.path).items():
                 prompts.setdefault(digest, text)
-        write_prompts(out, prompts)                      # before the rows that reference them
+            for digest, chat in read_prompt_messages(shard.path).items():
+                messages.setdefault(digest, chat)
+        write_prompts(out, prompts, messages)            # before the rows that reference them
         for shard in shards:
             for row in shard.rows.to_pylist():
                 store.add(row)

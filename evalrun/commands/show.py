@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 
 from evalrun.errors import BadInput
-from evalrun.results import inspect_run, read_prompts, read_samples
+from evalrun.results import inspect_run, read_prompt_messages, read_prompts, read_samples
 from evalrun.tasks.registry import task_specs, task_spec
 
 RULE = "-" * 78
@@ -32,16 +32,30 @@ def run_show(args: argparse.Namespace) -> int:
     metric = task_spec(str(task)).metric
     rows = [r for r in _read_rows(run_dir) if _wanted(r, args, metric)]
     prompts = {} if args.no_prompt else read_prompts(run_dir)
+    chats = {} if args.no_prompt else read_prompt_messages(run_dir)
     print(f"{run_dir}: {task}, {len(rows)} matching row(s); showing {min(len(rows), args.limit)}")
     for row in rows[: args.limit]:
         print(RULE)
         print(show_row(row))
         if not args.no_prompt:
-            text = prompts.get(row.get("prompt_hash"))
+            text, chat = prompts.get(row.get("prompt_hash")), chats.get(row.get("prompt_hash"))
+            if chat is not None:
+                print(f"prompt (chat, {len(chat['messages'])} messages through the model's template):")
+                print(textwrap.indent(chat_transcript(chat), "  | ", lambda line: True))
+                continue
             print("prompt:" if text is not None else "prompt: (not stored: a run made before prompts were kept)")
             if text is not None:
                 print(textwrap.indent(text, "  | ", lambda line: True))
     return 0
+
+
+def chat_transcript(chat: dict[str, Any]) -> str:
+    """A chat prompt for a person: each message under its role; then where the model's answer goes
+    (its own turn, or the last assistant message it continues)."""
+    parts = [f"[{m.get('role')}]\n{m.get('content')}" for m in chat["messages"]]
+    parts.append("[assistant] <- the model answers here" if chat.get("generation_prompt", True)
+                 else "<- the model continues the last message")
+    return "\n".join(parts)
 
 
 def _formatter(task: str) -> Optional[Callable[[dict[str, Any]], str]]:

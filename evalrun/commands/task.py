@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from evalrun.engine import Tokenizer
 from evalrun.errors import BadInput
 from evalrun.results import fingerprint_model_dir
 from evalrun.run.common import base_manifest, engine_identity, model_manifest, model_name, resolve_model_dir, stored_run
@@ -24,6 +25,7 @@ from evalrun.run.pipeline import PreparedRun, Report, TaskRun, pending
 from evalrun.scale.ray_run import ray_options
 from evalrun.scale.shard import TaskShard, parse_shard, take_shard
 from evalrun.tasks.base import Task
+from evalrun.tasks.chat import chat_identity
 from evalrun.tasks.registry import task_spec
 from evalrun.tasks.spec import RunReport, ScoredElsewhere, TaskContext, TaskSpec
 
@@ -53,7 +55,8 @@ def prepare(cfg: RunConfig) -> PreparedRun:
     task = shard.task if shard else task
     model_dir = resolve_model_dir(cfg.model)
     fp = fingerprint_model_dir(model_dir)
-    identity = {"task": spec.name, **engine_identity(engine, fp), **spec.identity(cfg.options, task)}
+    identity = {"task": spec.name, **engine_identity(engine, fp), **spec.identity(cfg.options, task),
+                **_chat_identity(cfg.options, model_dir)}
     extra = {**model_manifest(engine, fp, model_dir), **spec.manifest_extra(cfg.options, task)}
     run = TaskRun(task, out_dir, _manifest(cfg, spec.name, identity, shard, extra), stored, spec.unit,
                   cfg.overwrite, cfg.flush_rows, cfg.flush_seconds, cfg.progress, on_nonfinite=cfg.on_nonfinite)
@@ -82,6 +85,15 @@ def _prepare_model_free(spec: TaskSpec, cfg: RunConfig, flag: str) -> PreparedRu
     if context is not None:
         _attach(prepared, context, task)
     return prepared
+
+
+def _chat_identity(options: Any, model_dir: Path) -> dict[str, Any]:
+    """{"chat": ...} for a task run with chat options in use (the template's hash included), else {}:
+    runs from before chat options, and plain runs, keep their identity."""
+    chat = getattr(options, "chat", None)
+    if chat is None or not chat.identity():
+        return {}
+    return {"chat": chat_identity(chat, Tokenizer.load(model_dir))}
 
 
 def _build(spec: TaskSpec, cfg: RunConfig) -> Task:

@@ -6,7 +6,7 @@ Depends on pandas/pyarrow only (never on evalrun.engine, evalrun.tasks or the CL
 from evalrun.results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
 from evalrun.results.manifest import environment_info, fingerprint_model_dir, read_manifest, throughput
 from evalrun.results.schema import SCHEMA_VERSION, Manifest, ModelFingerprint, Throughput
-from evalrun.results.prompts import read_prompts, write_prompts
+from evalrun.results.prompts import read_prompt_messages, read_prompts, write_prompts
 from evalrun.results.store import RunStore, check_resumable, inspect_run, read_samples, samples_file_intact, stored_keys
 from evalrun.results.summary import write_summary
 
@@ -24,6 +24,7 @@ __all__ = [
     "environment_info",
     "fingerprint_model_dir",
     "read_manifest",
+    "read_prompt_messages",
     "read_prompts",
     "read_samples",
     "samples_file_intact",

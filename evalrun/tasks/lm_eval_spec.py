@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .base import TaskSettingError
+from .chat import CHAT_CLI_ARGS, ChatOptions, with_chat_options
 from .lm_eval_task import LmEvalTask, load_suite, summarize_rows
 from .spec import CliArg, RunReport, TaskSpec
 
@@ -20,6 +21,7 @@ class LmEvalOptions:
     num_fewshot: Optional[int] = None
     limit: Optional[float] = None
     bootstrap_iters: int = 100000
+    chat: ChatOptions = ChatOptions()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -38,7 +40,7 @@ class LmEvalOptions:
 
 def _build(options: LmEvalOptions, seed: int) -> LmEvalTask:
     tasks, groups = load_suite(options.names, options.include_path, options.num_fewshot)
-    return LmEvalTask(tasks, options.limit, groups=groups)
+    return LmEvalTask(tasks, options.limit, groups=groups, chat=options.chat)
 
 
 def _identity(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
@@ -110,5 +112,5 @@ SPEC = TaskSpec(
     description="Run lm-evaluation-harness tasks, groups or tags (its YAML definitions, packaged or under "
                 "--include-path) with lm-eval's prompts, filters and metrics, on evalrun's engine; rows land in "
                 "OUTPUT_DIR as each document finishes, and a rerun resumes.",
-    cli_args=CLI_ARGS, options=LmEvalOptions, build=_build, identity=_identity, manifest_extra=_manifest_extra,
+    cli_args=CLI_ARGS + CHAT_CLI_ARGS, options=with_chat_options(LmEvalOptions), build=_build, identity=_identity, manifest_extra=_manifest_extra,
     unit="documents", summarize=_summarize, report=print_summary, show_row=show_row)

@@ -11,7 +11,12 @@ requests (evalrun/tasks/lm_eval_requests.py). lm-eval's evaluator is never calle
 
 Rows: one per document, keyed (task_name, doc_id): the responses, the filtered responses per
 filter, each metric (lm-eval's `metric,filter` names) as JSON, and `correct` (the first 0/1 metric)
-for progress and `compare`.
+for progress and `compare`; with an end-of-thinking marker, the raw generations too (`raw_resps`).
+
+Chat templates (--apply-chat-template, evalrun/tasks/chat.py): lm-eval builds the chat prompts itself
+(fewshot_context with the template as its `chat_template` callable, our renderer); they need the
+model's tokenizer, so the requests are built once more when the tokenizer is known (plan), the
+few-shot sampler re-seeded first, so every document keeps the examples a plain build gives it.
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import hashlib
 import inspect
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Collection, Iterator, Optional, Sequence
 
 from .base import Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError, estimate_tokens, prompt_hash
+from .chat import ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
 from .lm_eval_requests import Ask, Encoder, cut_at_stops, generation_request, loglikelihood, score_request
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
@@ -101,19 +108,31 @@ class LmEvalTask:
     progress_metric = "correct"
 
     def __init__(self, tasks: dict[str, Any], limit: Optional[float] = None, only: Optional[Collection[tuple]] = None,
-                 groups: Optional[dict[str, Any]] = None):
-        from lm_eval.evaluator_utils import get_sample_size
-        self.tasks, self.limit, self.groups = tasks, limit, groups or {}
+                 groups: Optional[dict[str, Any]] = None, chat: ChatOptions = ChatOptions()):
+        self.tasks, self.limit, self.groups, self.chat = tasks, limit, groups or {}, chat
         self.only = frozenset(only) if only is not None else None
-        self.instances: dict[tuple, list] = {}
-        for name, task in tasks.items():
-            if not getattr(task, "_instances", None):
-                task.build_all_requests(limit=get_sample_size(task, limit), rank=0, world_size=1)
-            for inst in task.instances:
-                self.instances.setdefault((name, inst.doc_id), []).append(inst)
-        for group in self.instances.values():
-            group.sort(key=lambda inst: inst.idx)
+        self.instances = self._build_requests(None, rebuild=False)
         self.encoder: Optional[Encoder] = None
+        self.think: Optional[ThinkEnd] = None
+        self.render: Optional[ChatRenderer] = None
+
+    def _build_requests(self, render: Optional[ChatRenderer], rebuild: bool) -> dict[tuple, list]:
+        """{(task, doc_id): its instances}, built by lm-eval (again, from a re-seeded sampler, when `rebuild`)."""
+        from lm_eval.evaluator_utils import get_sample_size
+        instances: dict[tuple, list] = {}
+        for name, task in self.tasks.items():
+            if rebuild or not getattr(task, "_instances", None):
+                task.set_fewshot_seed(seed=FEWSHOT_SEED)
+                task.build_all_requests(limit=get_sample_size(task, self.limit), rank=0, world_size=1,
+                                        system_instruction=self.chat.system_instruction,
+                                        apply_chat_template=render is not None,
+                                        fewshot_as_multiturn=self.chat.fewshot_as_multiturn and render is not None,
+                                        chat_template=render)
+            for inst in task.instances:
+                instances.setdefault((name, inst.doc_id), []).append(inst)
+        for group in instances.values():
+            group.sort(key=lambda inst: inst.idx)
+        return instances
 
     def fingerprint(self) -> str:
         """Each task's configuration (its YAML as lm-eval dumps it, with the source of its `!function`
@@ -134,7 +153,7 @@ class LmEvalTask:
 
     def restricted(self, keys: Collection[tuple]) -> "LmEvalTask":
         only = keys if self.only is None else self.only & frozenset(keys)
-        return LmEvalTask(self.tasks, self.limit, only, self.groups)
+        return LmEvalTask(self.tasks, self.limit, only, self.groups, self.chat)
 
     def prefix_groups(self) -> list[PrefixGroup]:
         groups = []
@@ -148,9 +167,15 @@ class LmEvalTask:
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
         self.encoder = enc = Encoder.for_model(tokenizer, max_seq_len)
+        self.think = resolve_think_end(tokenizer, self.chat)
+        self.render = ChatRenderer(tokenizer, self.chat) if self.chat.on else None
+        if self.render is not None:
+            self.instances = self._build_requests(self.render, rebuild=True)
         for key in self.doc_keys():
             try:
                 yield self._plan_doc(key, self.instances[key], enc)
+            except TaskSettingError:
+                raise
             except ValueError as exc:           # a request that cannot fit the model's context: a skipped row
                 yield DocPlan(key, skip_reason=f"{exc} (context {max_seq_len} tokens)")
 
@@ -160,11 +185,10 @@ class LmEvalTask:
         asks: list[list[Ask]] = []
 
         def ask(r: Request) -> int:
-            sig = (r.input_ids, r.score_from, r.max_new_tokens, r.stop_conditions, r.sampler, r.seed)
+            sig = replace(r, doc_key=key, part=0)
             if sig not in index:
                 index[sig] = len(requests)
-                requests.append(Request(key, r.input_ids, r.max_new_tokens, r.return_logits, len(requests),
-                                        r.stop_conditions, r.sampler, r.seed, r.score_from))
+                requests.append(replace(sig, part=len(requests)))
             return index[sig]
 
         for inst in instances:
@@ -179,11 +203,13 @@ class LmEvalTask:
                         mine.append(Ask(ask(req), last))
                 else:
                     seed = hash((key, inst.idx, repeat)) & 0x7FFFFFFF
-                    mine.append(Ask(ask(generation_request(key, 0, enc, inst.args[0], inst.args[1], seed))))
+                    mine.append(Ask(ask(generation_request(key, 0, enc, inst.args[0], inst.args[1], seed, self.think,
+                                                           self.chat.max_thinking_tokens))))
             asks.append(mine)
         first = instances[0].args[0]
         info = {"_asks": asks, "prompt_hash": prompt_hash(requests[0].input_ids) if requests else ""}
-        return DocPlan(key, requests, info, prompt=first if isinstance(first, str) else None)
+        chat = self.render.sources.get(first) if self.render is not None and isinstance(first, str) else None
+        return DocPlan(key, requests, info, prompt=first if isinstance(first, str) else None, chat=chat)
 
     def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
         name, doc_id = plan.doc_key
@@ -201,6 +227,11 @@ class LmEvalTask:
             filtered[filter_key] = [inst.filtered_resps[filter_key] for inst in instances]
             metrics.update({f"{m},{filter_key}": v for m, v in values.items()})
         first01 = next((v for v in metrics.values() if isinstance(v, (bool, int, float)) and v in (0, 1)), None)
+        raw = {}
+        if self.think is not None and any(i.request_type == "generate_until" for i in instances):
+            raw = {"raw_resps": json.dumps([by_part[a.request].text for asks in plan.info["_asks"] for a in asks]),
+                   "thinking_tokens": json.dumps([by_part[a.request].thinking_tokens
+                                                  for asks in plan.info["_asks"] for a in asks])}
         return {
             "prompt_hash": plan.info["prompt_hash"],
             "prompt_tokens": sum(a.prompt_tokens for a in answers),
@@ -211,6 +242,7 @@ class LmEvalTask:
             "target": str(task.doc_to_target(instances[0].doc)),
             "correct": bool(first01) if first01 is not None else None,
             "nonfinite_logits": any(a.nonfinite_logits for a in answers),
+            **raw,
         }
 
     def _responses(self, inst: Any, asks: list[Ask], by_part: dict[int, Answer]) -> list:
@@ -219,7 +251,8 @@ class LmEvalTask:
         if inst.request_type == "loglikelihood_rolling":
             return [sum(loglikelihood(by_part[a.request], a.last)[0] for a in asks)]
         eos = self.encoder.eos_text if self.encoder else ""
-        return [cut_at_stops(by_part[a.request].text, inst.args[1], eos) for a in asks]
+        think = self.think.text if self.think else None
+        return [cut_at_stops(by_part[a.request].text, inst.args[1], eos, think) for a in asks]
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         per_task, overall = summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()})

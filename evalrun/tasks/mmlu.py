@@ -7,6 +7,13 @@ Prompt (per subject; the preamble is shared by every question, so dedup computes
 Scored by the log-probabilities (float32 softmax over the full vocabulary) of " A",
 " B", " C", " D" after the prompt; prediction = argmax, ties to the lowest letter. If a
 choice is not a single token, its full log-likelihood is summed over one job per token.
+
+With --apply-chat-template (evalrun/tasks/chat.py) the prompt is lm-eval's chat prompt: the preamble
+(after any --system-instruction) is the system turn, each shot a user/assistant pair of turns, the
+question a user turn, rendered with the generation prompt; the choices lose their space ("A") and
+are tokenized as lm-eval's HF backend tokenizes a (context, continuation) pair (the context's trailing
+whitespace, e.g. the generation prompt's newline, moves into the continuation). Every question of a
+subject still shares the system and shot turns, so dedup computes them once.
 """
 from __future__ import annotations
 
@@ -18,6 +25,9 @@ import torch
 
 from .base import (NONFINITE_COLUMN, Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError,
                    estimate_tokens, prompt_hash)
+from .chat import (CHAT_CLI_ARGS, ChatOptions, ChatRenderer, chat_messages, plain_prompt, qa_turns,
+                   with_chat_options)
+from .lm_eval_requests import Encoder
 from .mmlu_data import LETTERS, MMLUData, MMLUDoc, load_mmlu
 from .mmlu_groups import GROUP_DISPLAY_NAME, GROUPS, group_of
 from .spec import CliArg, RunReport, TaskSpec
@@ -44,13 +54,23 @@ def build_prompt(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc) -> str:
     return prompt_prefix(subject, shots) + format_question(doc)
 
 
+def description(subject: str) -> str:
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+def turns(subject: str, shots: Sequence[MMLUDoc], doc: MMLUDoc, system_instruction: Optional[str] = None) -> list:
+    """The prompt as lm-eval's messages (plain_prompt of them is build_prompt's text)."""
+    return qa_turns(description(subject), [(format_question(s), LETTERS[s.answer]) for s in shots],
+                    format_question(doc), system_instruction)
+
+
 class MMLUTask:
     name = "mmlu"
     key_columns = KEY_COLUMNS
 
     def __init__(self, data_dir: Optional[str] = None, subjects: Optional[Sequence[str]] = None,
                  limit: Optional[int] = None, num_fewshot: int = 5, data: Optional[MMLUData] = None,
-                 only: Optional[Collection[tuple]] = None):
+                 only: Optional[Collection[tuple]] = None, chat: ChatOptions = ChatOptions()):
         if not 0 <= num_fewshot <= 5:
             raise ValueError(f"--num-fewshot must be between 0 and 5, got {num_fewshot}")
         if limit is not None and limit < 1:
@@ -66,7 +86,9 @@ class MMLUTask:
         if self.only is not None:
             self.subjects = [s for s in self.subjects if any(self._wanted(d) for d in self.data.test[s][:limit])]
         self.num_fewshot = num_fewshot
+        self.chat = chat
         self.choice_ids: list[list[int]] = []
+        self._doc_choices: dict[tuple, list[list[int]]] = {}     # chat: each question's continuations
 
     def fingerprint(self) -> str:
         """The data content only: the selection (--subjects, --limit) may change on resume,
@@ -87,7 +109,7 @@ class MMLUTask:
     def restricted(self, keys: Collection[tuple]) -> "MMLUTask":
         """The same task on only these questions; its summary lists only their subjects."""
         return MMLUTask(subjects=self.subjects, limit=self.limit, num_fewshot=self.num_fewshot, data=self.data,
-                        only=keys if self.only is None else self.only & frozenset(keys))
+                        only=keys if self.only is None else self.only & frozenset(keys), chat=self.chat)
 
     def prefix_groups(self) -> list[PrefixGroup]:
         """One group per subject: its questions share the preamble and the shots. A subject may be
@@ -102,25 +124,47 @@ class MMLUTask:
 
     def plan(self, tokenizer: Any, max_seq_len: int) -> Iterator[DocPlan]:
         self.choice_ids = [tokenizer.encode(" " + L) for L in LETTERS]
+        encode = self._chat_encoder(tokenizer, max_seq_len) if self.chat.on else None
         for doc in self.docs():
-            yield self._plan_doc(doc, tokenizer, max_seq_len, self.choice_ids)
+            yield self._plan_doc(doc, tokenizer, max_seq_len, encode)
 
-    def _plan_doc(self, doc: MMLUDoc, tokenizer: Any, max_seq_len: int,
-                  choice_ids: list[list[int]]) -> DocPlan:
+    def _chat_encoder(self, tokenizer: Any, max_seq_len: int) -> Any:
+        """text -> (context ids, each letter's continuation ids), as lm-eval's HF backend splits them."""
+        render, enc = ChatRenderer(tokenizer, self.chat), Encoder.for_model(tokenizer, max_seq_len)
+
+        def encode(doc: MMLUDoc, k: int) -> tuple[str, list[int], list[list[int]], Optional[dict]]:
+            messages = chat_messages(self._turns(doc, k), self.chat.fewshot_as_multiturn)
+            text = render(messages, add_generation_prompt=True)
+            pairs = [enc.pair(text, L) for L in LETTERS]
+            return text, pairs[0][0], [cont for _, cont in pairs], render.sources.pop(text, None)
+        return encode
+
+    def _turns(self, doc: MMLUDoc, k: int) -> list:
+        return turns(doc.subject, self.data.dev[doc.subject][:k], doc, self.chat.system_instruction)
+
+    def _plan_doc(self, doc: MMLUDoc, tokenizer: Any, max_seq_len: int, chat_encode: Any = None) -> DocPlan:
         key = (doc.subject, doc.doc_id)
-        longest = max(len(c) for c in choice_ids)
         base = {"question": doc.question, "target": LETTERS[doc.answer]}
         for k in range(self.num_fewshot, -1, -1):
-            text = build_prompt(doc.subject, self.data.dev[doc.subject][:k], doc)
-            ids = tokenizer.encode(text)
-            if len(ids) + longest <= max_seq_len:
+            chat = None
+            if chat_encode is not None:
+                text, ids, choice_ids, chat = chat_encode(doc, k)
+            else:
+                plain = self.chat.system_instruction is None
+                text = build_prompt(doc.subject, self.data.dev[doc.subject][:k], doc) if plain else \
+                    plain_prompt(self._turns(doc, k))
+                ids, choice_ids = tokenizer.encode(text), self.choice_ids
+            if len(ids) + max(len(c) for c in choice_ids) <= max_seq_len:
                 info = {**base, "num_fewshot_used": k, "prompt_hash": prompt_hash(ids)}
-                return DocPlan(key, _requests(key, ids, choice_ids), info, prompt=text)
+                if chat_encode is not None:
+                    self._doc_choices[key] = choice_ids
+                return DocPlan(key, _requests(key, ids, choice_ids), info, prompt=text, chat=chat)
         return DocPlan(key, info={**base, "num_fewshot_used": 0},
                        skip_reason=f"prompt does not fit in {max_seq_len} tokens (model context or cache) even 0-shot")
 
     def score(self, plan: DocPlan, answers: list[Answer]) -> dict[str, Any]:
-        logprobs = choice_logprobs(plan.requests[0].input_ids, self.choice_ids, answers)
+        choice_ids = getattr(self, "_doc_choices", {}).get(plan.doc_key) or self.choice_ids
+        logprobs = choice_logprobs(plan.requests[0].input_ids, choice_ids, answers)
         best = max(range(4), key=lambda i: (logprobs[i], -i))          # ties -> lowest letter
         first = min(answers, key=lambda a: a.request.part)
         broken = any(a.nonfinite_logits for a in answers)             # NaN/Inf logits: no answer at all
@@ -209,6 +253,7 @@ class MMLUOptions:
     subjects: Optional[str] = None               # comma-separated, as given
     limit: Optional[int] = None
     num_fewshot: int = 5
+    chat: ChatOptions = ChatOptions()
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_fewshot <= 5:
@@ -223,7 +268,7 @@ class MMLUOptions:
 
 
 def _build(options: MMLUOptions, seed: int) -> MMLUTask:
-    return MMLUTask(options.data_dir, options.subject_list, options.limit, options.num_fewshot)
+    return MMLUTask(options.data_dir, options.subject_list, options.limit, options.num_fewshot, chat=options.chat)
 
 
 def _identity(options: MMLUOptions, task: MMLUTask) -> dict[str, Any]:
@@ -290,5 +335,6 @@ SPEC = TaskSpec(
     description="Evaluate a model on MMLU in lm-evaluation-harness's default format; rows land in OUTPUT_DIR as "
                 "each question finishes, and a rerun resumes (a changed --limit/--subjects computes only the new "
                 "questions).",
-    cli_args=CLI_ARGS, options=MMLUOptions, build=_build, identity=_identity, unit="questions",
+    cli_args=CLI_ARGS + CHAT_CLI_ARGS, options=with_chat_options(MMLUOptions), build=_build, identity=_identity,
+    unit="questions",
     summarize=_summarize, report=print_summary, show_row=show_row)
