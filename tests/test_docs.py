@@ -35,7 +35,7 @@ FIXTURE_MMLU = ROOT / "tests" / "data" / "mmlu"
 
 DOC_PAGES = ("cli.md", "engine-api.md", "cache-modes.md", "compare-and-regress.md", "scale-out.md",
              "sandbox.md", "architecture.md", "benchmarks.md", "runs.md", "tasks.md",
-             "speculative-decoding.md", "models.md")
+             "speculative-decoding.md", "models.md", "chat-templates.md")
 README_LIMIT = 12_000
 
 # README command lines not run here, and why (a line matches when it starts with the key, or, for
