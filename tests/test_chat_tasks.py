@@ -184,3 +184,51 @@ def test_smollm2_mmlu_chat_equals_lm_eval_on_40_questions(smollm2_dir, include_p
             row = rows[(subject, s["doc_id"])]
             assert _close(list(row["choice_logprobs"]), lls, 2e-4), (subject, s["doc_id"])
             assert row["prediction"] == "ABCD"[max(range(4), key=lambda i: (lls[i], -i))]
+
+
+# -- show, thinking switches, the auto marker ---------------------------------------------------------------------
+
+def test_show_prints_a_chat_prompt_as_roles(tiny_model_dir, tmp_path, capsys):
+    if not MMLU_DIR.is_dir():
+        pytest.skip(f"no MMLU data at {MMLU_DIR}")
+    out = tmp_path / "m"
+    _run("mmlu", "--data-dir", str(MMLU_DIR), "--subjects", "anatomy", "--limit", "1", "--num-fewshot", "2",
+         "--model", str(tiny_model_dir), "--output-dir", str(out), "--apply-chat-template")
+    capsys.readouterr()
+    assert main(["show", str(out), "--limit", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "<|im_start|>" not in text and "<|im_end|>" not in text
+    roles = [line.strip(" |") for line in text.splitlines() if line.strip(" |").startswith("[")]
+    assert roles == ["[system]", "[user]", "[assistant]", "[user]", "[assistant]", "[user]",
+                     "[assistant] <- the model answers here"]
+    assert "The following are multiple choice questions (with answers) about anatomy." in text
+
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n"
+             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+             "{% endif %}")
+
+
+@pytest.fixture
+def qwen_like_dir(tiny_model_dir, tmp_path) -> Path:
+    """The tiny model with a Qwen3-style template: it takes enable_thinking and mentions </think>."""
+    import shutil
+    out = tmp_path / "qwen-like"
+    shutil.copytree(tiny_model_dir, out)
+    (out / "chat_template.jinja").write_text(QWEN_LIKE)
+    return out
+
+
+@pytest.mark.parametrize("switch,empty_think", [("--disable-thinking", True), ("--enable-thinking", False)])
+def test_enable_thinking_reaches_the_template_and_the_marker_is_auto_detected(qwen_like_dir, include_path, tmp_path,
+                                                                             switch, empty_think):
+    out = tmp_path / "t"
+    _run("task", "--tasks", "gsm8k_tiny", "--include-path", str(include_path), "--num-fewshot", "0", "--limit", "1",
+         "--model", str(qwen_like_dir), "--output-dir", str(out), "--apply-chat-template", switch)
+    rows, prompts = _rows_and_prompts(out)
+    prompt = prompts[rows[0]["prompt_hash"]]
+    assert prompt.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if empty_think else ""))
+    assert "raw_resps" in rows[0]                       # </think> found in the template: thinking is stripped
+    chat = json.loads((out / "manifest.json").read_text())["identity"]["chat"]
+    assert chat["enable_thinking"] is (switch == "--enable-thinking")
