@@ -202,23 +202,39 @@ def summarize_subjects(rows: list[dict[str, Any]], subjects: Sequence[str]) -> t
     return per_subject, overall
 
 
+def _shared(choice_ids: list[list[int]]) -> list[int]:
+    """The tokens every choice starts with, each choice keeping at least its last token (under a chat
+    template: the generation prompt's newline, which lm-eval's pair split moves into every choice)."""
+    k, most = 0, min(len(c) for c in choice_ids) - 1
+    while k < most and all(c[k] == choice_ids[0][k] for c in choice_ids):
+        k += 1
+    return choice_ids[0][:k]
+
+
 def _requests(key: tuple, ids: list[int], choice_ids: list[list[int]]) -> list[Request]:
-    """One job for the next-token logits; extra jobs only for multi-token choices."""
-    prefixes = [tuple(ids)]
+    """One job for the next-token logits after the prompt and the choices' shared first tokens (those
+    scored in its prefill: Request.score_from); extra jobs only for multi-token choice endings."""
+    shared = _shared(choice_ids)
+    prefixes = [tuple(ids) + tuple(shared)]
     for c in choice_ids:
-        for j in range(1, len(c)):
+        for j in range(len(shared) + 1, len(c)):
             if tuple(ids + c[:j]) not in prefixes:
                 prefixes.append(tuple(ids + c[:j]))
-    return [Request(key, p, 1, True, i) for i, p in enumerate(prefixes)]
+    return [Request(key, p, 1, True, i, score_from=len(ids) if i == 0 and shared else None)
+            for i, p in enumerate(prefixes)]
 
 
 def choice_logprobs(base: tuple[int, ...], choice_ids: list[list[int]], answers: list[Answer]) -> list[float]:
-    """Sum of float32 log-softmax log-probabilities of each choice's tokens after `base`."""
+    """Sum of float32 log-softmax log-probabilities of each choice's tokens after the prompt; `base` is
+    the first request's input (the prompt and the choices' shared tokens, whose log-probabilities its
+    prefill scored)."""
     logprobs = {a.request.input_ids: torch.log_softmax(a.logits[0].float(), dim=-1) for a in answers}
+    first = next(a for a in answers if a.request.input_ids == base)
+    n_shared = len(_shared(choice_ids))
     out = []
     for choice in choice_ids:
-        prefix, total = base, 0.0
-        for tok in choice:
+        prefix, total = base, sum(first.prompt_logprobs or [])
+        for tok in choice[n_shared:]:
             total += float(logprobs[prefix][tok])
             prefix = prefix + (tok,)
         out.append(total)
