@@ -61,15 +61,22 @@ class Encoder:
 
     def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """(context ids, continuation ids) as TemplateLM.loglikelihood splits them."""
+        ctx, (cont,) = self.pairs(context, [continuation])
+        return ctx, cont
+
+    def pairs(self, context: str, continuations: list[str]) -> tuple[list[int], list[list[int]]]:
+        """pair() of one context with each continuation, the context encoded once."""
         if context == "":
-            cont = self.encode(continuation, add_special_tokens=False)
-            return ([self.prefix_id], cont) if cont and cont[0] != self.prefix_id else (cont[:1], cont[1:])
+            conts = [self.encode(c, add_special_tokens=False) for c in continuations]
+            if len(conts) != 1:
+                raise ValueError("an empty context's split depends on its continuation: one at a time")
+            cont = conts[0]
+            return ([self.prefix_id], [cont]) if cont and cont[0] != self.prefix_id else (cont[:1], [cont[1:]])
         spaces = len(context) - len(context.rstrip())
         if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.encode(context + continuation)
+            context, continuations = context[:-spaces], [context[-spaces:] + c for c in continuations]
         ctx = self.encode(context)
-        return ctx, whole[len(ctx):]
+        return ctx, [self.encode(context + c)[len(ctx):] for c in continuations]
 
     def rolling(self, text: str) -> list[tuple[list[int], list[int]]]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window

@@ -135,8 +135,8 @@ class MMLUTask:
         def encode(doc: MMLUDoc, k: int) -> tuple[str, list[int], list[list[int]], Optional[dict]]:
             messages = chat_messages(self._turns(doc, k), self.chat.fewshot_as_multiturn)
             text = render(messages, add_generation_prompt=True)
-            pairs = [enc.pair(text, L) for L in LETTERS]
-            return text, pairs[0][0], [cont for _, cont in pairs], render.sources.pop(text, None)
+            ctx, conts = enc.pairs(text, list(LETTERS))
+            return text, ctx, conts, render.sources.pop(text, None)
         return encode
 
     def _turns(self, doc: MMLUDoc, k: int) -> list:
