@@ -1,5 +1,6 @@
 """The `evalrun` command line: parse argv (evalrun/commands/parser.py), turn a task command's
-arguments into a RunConfig once, and run the command; a user's mistake is one line and exit 2."""
+arguments into a RunConfig once, and run the command; a user's mistake is one line and exit 2.
+Error and warning lines name paths and data: they are printed through `terminal_safe`."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ from evalrun.commands.suite import run_suite
 from evalrun.commands.sweep import run_sweep
 from evalrun.commands.task import prepare
 from evalrun.errors import BadInput, RunFailed, as_bad_input
+from evalrun.results.text import terminal_safe
 from evalrun.run.config import RunConfig
 from evalrun.scale.execute import execute
 from evalrun.tasks.registry import runnable_specs, task_spec
@@ -49,7 +51,7 @@ def _one_line_warnings(command: str) -> Iterator[None]:
     "evalrun mmlu: warning: ...", not Python's two-line file:line form; restored on the way out
     (main() may run inside a caller's process)."""
     def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001 - warnings' signature
-        return f"evalrun {command}: warning: {message}\n"
+        return f"evalrun {command}: warning: {terminal_safe(message, one_line=True)}\n"
     previous, warnings.formatwarning = warnings.formatwarning, fmt
     try:
         yield
@@ -78,13 +80,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     try:
         return _command(parser, args, argv)
     except RunFailed as exc:
-        print(f"evalrun {args.command}: error: {exc}", file=sys.stderr)
+        print(f"evalrun {args.command}: error: {terminal_safe(exc, one_line=True)}", file=sys.stderr)
         return EXIT_RUN_FAILED
     except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
         bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
         if bad is None:
             raise
-        print(f"evalrun {args.command}: error: {bad}", file=sys.stderr)
+        print(f"evalrun {args.command}: error: {terminal_safe(bad, one_line=True)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

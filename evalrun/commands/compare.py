@@ -11,13 +11,14 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from evalrun.errors import BadInput
 from evalrun.results.compare import OVERALL, Comparison, GroupResult, compare_runs, run_labels
 from evalrun.results.compare_format import render
 from evalrun.results.errors import CompareError, RunReadError
 from evalrun.results.run_reader import RunData, load_finished_run
+from evalrun.results.text import terminal_safe
 from evalrun.tasks.registry import task_spec
 from evalrun.tasks.spec import TaskSpec
 
@@ -30,22 +31,29 @@ def load_runs(paths: Sequence[str], allow_different_data: bool = False) -> tuple
         runs = [load_finished_run(p) for p in paths]
     except RunReadError as exc:
         raise BadInput(str(exc)) from None
-    specs = []
-    for run in runs:
-        try:
-            spec = task_spec(str(run.manifest.get("task")))
-        except ValueError as exc:
-            raise BadInput(f"{run.path}: {exc}") from None
-        if run.key_columns != spec.key_columns:
-            raise BadInput(f"{run.path}: rows keyed by {list(run.key_columns)}, but {spec.name} runs are keyed "
-                           f"by {list(spec.key_columns)}")
-        specs.append(spec)
+    specs = [run_spec(run.path, run.manifest) for run in runs]
     if len({s.name for s in specs}) > 1:
         tasks = ", ".join(f"{r.path} is {r.manifest.get('task')}" for r in runs)
         raise BadInput(f"the runs are of different tasks and cannot be compared: {tasks}")
     if not allow_different_data:
         _check_same_data(runs)
     return runs, specs[0]
+
+
+def run_spec(path: Path, manifest: dict[str, Any]) -> TaskSpec:
+    """The spec of the task a run's manifest names, or BadInput: `task` must be a task's name and the
+    rows keyed as that task keys them (what compare and show both check before reading a row)."""
+    task = manifest.get("task")
+    if not isinstance(task, str):
+        raise BadInput(f"{path}: the manifest's task is {task!r}, not a task name")
+    try:
+        spec = task_spec(task)
+    except ValueError as exc:
+        raise BadInput(f"{path}: {exc}") from None
+    keys = manifest.get("key_columns")
+    if not isinstance(keys, list) or tuple(keys) != spec.key_columns:
+        raise BadInput(f"{path}: rows keyed by {keys!r}, but {spec.name} runs are keyed by {list(spec.key_columns)}")
+    return spec
 
 
 def _check_same_data(runs: list[RunData]) -> None:
@@ -98,9 +106,9 @@ def run_compare(args: argparse.Namespace) -> int:
             out.write_text(text, encoding="utf-8")
         except OSError as exc:
             raise BadInput(f"cannot write --output {out}: {exc.strerror or exc}") from None
-        print(f"wrote {out}", file=sys.stderr)
+        print(terminal_safe(f"wrote {out}"), file=sys.stderr)
     else:
-        sys.stdout.write(text)
+        sys.stdout.write(terminal_safe(text))           # the cells are escaped; captions and plot labels too
     return 0
 
 
@@ -148,7 +156,7 @@ def run_regress(args: argparse.Namespace) -> int:
     comparison = regress_comparison(args.baseline, args.candidate, args.by, args.level, args.n_boot, args.seed,
                                     args.allow_different_data)
     result = gate(comparison, args.max_drop, args.alpha)
-    print(format_gate(result, args.max_drop, args.alpha, args.baseline, args.candidate))
+    print(terminal_safe(format_gate(result, args.max_drop, args.alpha, args.baseline, args.candidate)))
     return EXIT_REGRESSION if result.failed else 0
 
 

@@ -31,6 +31,7 @@ from evalrun.commands.task import one_run, prepare
 from evalrun.errors import BadInput, as_bad_input
 from evalrun.results.atomic import atomic_write_text
 from evalrun.results.compare_format import render_csv, render_markdown, render_table
+from evalrun.results.text import terminal_safe
 from evalrun.run.config import RunConfig
 from evalrun.run.pipeline import ModelLoader
 from evalrun.scale.execute import execute
@@ -234,9 +235,10 @@ def run_suite(args: argparse.Namespace) -> int:
     loader = ModelLoader()
     n = len(prepared)
     for i, (entry, p) in enumerate(zip(suite.entries, prepared)):
-        print(f"\n=== suite {i + 1}/{n}: {entry.task}, {entry.model}, {entry.cache_mode} -> {entry.run_dir}",
-              file=sys.stderr, flush=True)
-        p.run.progress_desc = f"[{i + 1}/{n} {entry.task} {entry.model} {entry.cache_mode}]"
+        print(terminal_safe(f"\n=== suite {i + 1}/{n}: {entry.task}, {entry.model}, {entry.cache_mode} -> "
+                            f"{entry.run_dir}"), file=sys.stderr, flush=True)
+        p.run.progress_desc = terminal_safe(f"[{i + 1}/{n} {entry.task} {entry.model} {entry.cache_mode}]",
+                                            one_line=True)      # tqdm's line
         status = execute(p, loader)
         if status:
             return status
@@ -277,7 +279,7 @@ def _write_tables(suite: Suite, selections: list[list[tuple]]) -> None:
             base = next(i for i, e in enumerate(entries) if e.model == suite.baseline.model)
         c = compare_dirs([str(e.run_dir) for e in entries], base, labels=[f"{e.model}/{e.cache_mode}" for e in entries],
                          selection=sorted(selection))
-        print(f"\n=== {task}\n" + render_table(c), end="")
+        print(terminal_safe(f"\n=== {task}\n" + render_table(c)), end="")
         markdown.append(f"## {task}\n\n" + render_markdown(c))
         csv_parts.append(render_csv(c) if not csv_parts else render_csv(c).split("\n", 1)[1])
         records.append(c.to_dict())
@@ -285,7 +287,7 @@ def _write_tables(suite: Suite, selections: list[list[tuple]]) -> None:
     atomic_write_text(suite.output_dir / "comparison.md", "\n".join(markdown))
     atomic_write_text(suite.output_dir / "comparison.csv", "".join(csv_parts))
     atomic_write_text(suite.output_dir / "comparison.json", json.dumps(records, indent=2) + "\n")
-    print(f"\ncombined table: {suite.output_dir / 'comparison.md'} (.csv, .json)")
+    print(terminal_safe(f"\ncombined table: {suite.output_dir / 'comparison.md'} (.csv, .json)"))
 
 
 def gate_pairs(suite: Suite) -> tuple[list[tuple[Path, Path]], list[Path]]:
@@ -312,19 +314,21 @@ def _gate(suite: Suite) -> int:
                        "(require_baseline = true)")
     failed = gated = 0
     for base, cand in pairs:
-        print(f"\n=== gate: {cand} against {base}")
+        print(terminal_safe(f"\n=== gate: {cand} against {base}"))
         if not base.exists():
-            print(f"no baseline run at {base}: NOT GATED")
+            print(terminal_safe(f"no baseline run at {base}: NOT GATED"))
             continue
         result = gate(regress_comparison(str(base), str(cand)), b.max_drop, b.alpha)
-        print(format_gate(result, b.max_drop, b.alpha, str(base), str(cand)))
+        print(terminal_safe(format_gate(result, b.max_drop, b.alpha, str(base), str(cand))))
         failed += result.failed
         gated += 1
     for cand in unmatched:
-        print(f"\n=== gate: {cand}: the baseline model has no run of this task and cache mode: NOT GATED")
+        print(terminal_safe(f"\n=== gate: {cand}: the baseline model has no run of this task and cache mode: "
+                            "NOT GATED"))
     total = len(pairs) + len(unmatched)
     if b.output_dir is not None and not b.output_dir.exists():
-        print(f"\nwarning: the baseline output_dir {b.output_dir} does not exist (a first night, or a typo?)")
+        print(terminal_safe(f"\nwarning: the baseline output_dir {b.output_dir} does not exist "
+                            "(a first night, or a typo?)"))
     not_gated = f"; {total - gated} of {total} NOT GATED (no baseline run)" if gated < total else ""
     print(f"\nsuite gate: {failed} of {gated} gated runs regressed{not_gated}" if failed else
           f"\nsuite gate: no significant drop of {b.max_drop:g} points or more in {gated} gated runs{not_gated}")

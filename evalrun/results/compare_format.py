@@ -1,6 +1,8 @@
 """Print a Comparison: a terminal table, markdown, csv or json (the HTML report is
 evalrun/results/report_html.py). Every format carries the same numbers; csv has one line per
-(group, run) with the run's header fields beside them."""
+(group, run) with the run's header fields beside them. Text from run directories is escaped:
+the table's and markdown's cells by compare_cells, csv's by `csv_safe` (no cell starts a
+spreadsheet formula), json by json.dumps (control characters as \\uXXXX)."""
 from __future__ import annotations
 
 import csv
@@ -12,6 +14,7 @@ from typing import Any, Callable
 from evalrun.results.compare import Comparison
 from evalrun.results.compare_cells import HEADER_NAMES, coverage_notes, describe, header_cells, result_cells, result_names
 from evalrun.results.report_html import render_html
+from evalrun.results.text import csv_safe
 
 FORMATS = ("table", "markdown", "csv", "json", "html")
 
@@ -40,13 +43,13 @@ def render_csv(c: Comparison) -> str:
     writer.writerow(["task", "metric", "baseline", *fields, *header_fields])
     for r in c.results:
         row = asdict(r)
-        writer.writerow([c.task, c.metric, c.baseline, *[_csv(row[f]) for f in fields],
+        writer.writerow([*[_csv(v) for v in (c.task, c.metric, c.baseline)], *[_csv(row[f]) for f in fields],
                          *[_csv(getattr(heads[r.run], f)) for f in header_fields]])
     return out.getvalue()
 
 
 def _csv(value: Any) -> Any:
-    return "" if value is None or (isinstance(value, float) and value != value) else value
+    return "" if value is None or (isinstance(value, float) and value != value) else csv_safe(value)
 
 
 def render_table(c: Comparison) -> str:

@@ -9,6 +9,8 @@ fonts are fetched); the same numbers follow as tables. The page has no script an
                ──► run headers table, results table, coverage notes
 
 NOTE: the output is byte-identical for the same input (fixed svg.hashsalt, no SVG date).
+Run names and groups come from run directories: escaped in the tables (compare_cells), and in
+the plots by `_plot_text` (no control character, no `$` that matplotlib would parse as maths).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from evalrun.results.compare import OVERALL, Comparison, RunHeader
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 from evalrun.results.compare_cells import HEADER_NAMES, coverage_notes, describe, header_cells, result_cells, result_names
+from evalrun.results.text import terminal_safe
 
 _SVG_RC = {"svg.hashsalt": "evalrun-report", "svg.fonttype": "path"}
 _NO_METADATA = {"Date": None, "Creator": None, "Format": None, "Type": None}
@@ -41,7 +44,7 @@ figure svg { max-width: 100%; height: auto; }
 def render_html(comparison: Comparison) -> str:
     """The whole report as one HTML document (no external resources, no script)."""
     c = comparison
-    title = f"evalrun compare: {c.task}"
+    title = terminal_safe(f"evalrun compare: {c.task}")
     parts = [f"<h1>{_esc(title)}</h1>", f"<p>{_esc(describe(c))}</p>",
              "<h2>Runs</h2>", _table(HEADER_NAMES, [header_cells(h) for h in c.runs]),
              "<h2>Plots</h2>",
@@ -75,7 +78,8 @@ def _metric_plot(c: Comparison) -> Figure:
     ax.bar(range(len(runs)), [r.metric for r in overall], yerr=[_err(r.stderr) for r in overall],
            color=[_colour(i) for i in range(len(runs))], capsize=4)
     tilt = len(runs) > 3
-    ax.set_xticks(range(len(runs)), runs, rotation=20 if tilt else 0, ha="right" if tilt else "center")
+    ax.set_xticks(range(len(runs)), [_plot_text(r) for r in runs], rotation=20 if tilt else 0,
+                  ha="right" if tilt else "center")
     ax.set_ylabel(c.metric)
     ax.grid(axis="y", alpha=0.3)
     return fig
@@ -96,13 +100,14 @@ def _delta_plot(c: Comparison) -> Optional[Figure]:
         deltas = [_nan(r.delta) for r in rows]
         below = [_err(_nan(r.delta) - _nan(r.ci_low)) for r in rows]
         above = [_err(_nan(r.ci_high) - _nan(r.delta)) for r in rows]
-        ax.errorbar(deltas, ys, xerr=[below, above], fmt="o", color=_colour(i), capsize=3, label=label)
+        ax.errorbar(deltas, ys, xerr=[below, above], fmt="o", color=_colour(i), capsize=3,
+                    label=_plot_text(label))
     ax.axvline(0.0, color="#444", linewidth=1)
     if len(groups) > 1:
         ax.axhline(0.5, color="#999", linewidth=0.8, linestyle="--")        # groups above, overall below
-    ax.set_yticks(range(len(groups)), list(reversed(groups)))
+    ax.set_yticks(range(len(groups)), [_plot_text(g) for g in reversed(groups)])
     ax.set_ylim(-0.6, len(groups) - 0.4)
-    ax.set_xlabel(f"delta in {c.metric} against {c.baseline}")
+    ax.set_xlabel(_plot_text(f"delta in {c.metric} against {c.baseline}"))
     ax.grid(axis="x", alpha=0.3)
     ax.legend(loc="best", fontsize="small")
     return fig
@@ -127,7 +132,8 @@ def _bytes_plot(c: Comparison) -> Figure:
         ax.update_datalim([(h.bytes_per_token, r.metric - err), (h.bytes_per_token, r.metric + err)])
     ax.autoscale_view()                      # the shifted transform does not update the data limits itself
     for (x, y), modes in seen.items():
-        ax.annotate(" = ".join(modes), (x, y), xytext=(6 + 7 * (len(modes) - 1), 6), textcoords="offset points")
+        ax.annotate(_plot_text(" = ".join(modes)), (x, y), xytext=(6 + 7 * (len(modes) - 1), 6),
+                    textcoords="offset points")
     ax.set_xlabel("KV-cache bytes per token")
     ax.set_ylabel(c.metric)
     ax.margins(x=0.15, y=0.2)
@@ -153,7 +159,12 @@ def _svg(fig: Figure, prefix: str) -> str:
 
 def _figure(plot_id: str, caption: str, fig: Optional[Figure]) -> str:
     content = _svg(fig, plot_id) if fig is not None else "<p>Only one run: nothing to compare against.</p>"
-    return f'<figure id="{plot_id}">\n{content}\n<figcaption>{_esc(caption)}</figcaption>\n</figure>'
+    return f'<figure id="{plot_id}">\n{content}\n<figcaption>{_esc(terminal_safe(caption))}</figcaption>\n</figure>'
+
+
+def _plot_text(text: str) -> str:
+    """A name drawn in a plot: escaped, and `$` literal (matplotlib parses "$...$" as mathtext)."""
+    return terminal_safe(text, one_line=True).replace("$", r"\$")
 
 
 def _colour(i: int) -> str:
