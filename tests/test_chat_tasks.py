@@ -232,3 +232,21 @@ def test_enable_thinking_reaches_the_template_and_the_marker_is_auto_detected(qw
     assert "raw_resps" in rows[0]                       # </think> found in the template: thinking is stripped
     chat = json.loads((out / "manifest.json").read_text())["identity"]["chat"]
     assert chat["enable_thinking"] is (switch == "--enable-thinking")
+
+
+@pytest.mark.slow
+def test_smollm2_arc_style_task_chat_equals_lm_eval(smollm2_dir, include_path, tmp_path):
+    """The same on a config task (the ARC-style fixture, 2-shot as turns) on SmolLM2-135M-Instruct."""
+    want = run_lm_eval_reference(smollm2_dir, ["arc_tiny"], include_path, num_fewshot=2, **CHAT)["samples"]["arc_tiny"]
+    _run("task", "--tasks", "arc_tiny", "--include-path", str(include_path), "--num-fewshot", "2", "--model",
+         str(smollm2_dir), "--output-dir", str(tmp_path / "t"), "--apply-chat-template")
+    rows, prompts = _rows_and_prompts(tmp_path / "t")
+    assert {s["doc_id"] for s in want} == set(rows)
+    for doc_id, context in _reference_prompts(want).items():
+        assert prompts[rows[doc_id]["prompt_hash"]] == context
+    for s in want:
+        row = rows[s["doc_id"]]
+        assert _close(json.loads(row["resps"]), s["resps"], 2e-4)
+        metrics = json.loads(row["metrics"])
+        for m in s["metrics"]:
+            assert metrics[f"{m},{s['filter']}"] == s[m], (s["doc_id"], m)       # acc, acc_norm: the predictions
