@@ -250,3 +250,4 @@ def test_smollm2_arc_style_task_chat_equals_lm_eval(smollm2_dir, include_path, t
         metrics = json.loads(row["metrics"])
         for m in s["metrics"]:
             assert metrics[f"{m},{s['filter']}"] == s[m], (s["doc_id"], m)       # acc, acc_norm: the predictions
+

@@ -185,3 +185,19 @@ def test_html_report_draws_a_dollar_run_name_as_text(tmp_path, capsys):
     out = tmp_path / "r.html"
     assert main(["compare", str(a), str(b), "--format", "html", "--output", str(out)]) == 0
     assert "$\\foo{$" in out.read_text()
+
+
+def test_a_task_report_prints_dataset_text_escaped(tiny_model_dir, tmp_path, capsys):
+    """A subject name from a user's data with terminal escapes: the printed summary shows them escaped."""
+    import pandas as pd
+    data = tmp_path / "data"
+    data.mkdir()
+    subject = "evil\x1b[2J\x1b]0;pwned\x07"
+    row = {"question": "2 + 2?", "subject": subject, "choices": ["3", "4", "5", "6"], "answer": 1}
+    pd.DataFrame([row] * 2).to_parquet(data / "test.parquet")
+    pd.DataFrame([row] * 5).to_parquet(data / "dev.parquet")
+    capsys.readouterr()
+    assert main(["mmlu", "--data-dir", str(data), "--num-fewshot", "1", "--model", str(tiny_model_dir), "--output-dir",
+                 str(tmp_path / "m"), "--dtype", "float32", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "evil\\x1b[2J" in out

@@ -11,6 +11,8 @@ documents without one, through the same store, resume and summary.
 from __future__ import annotations
 
 import contextlib
+import io
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -18,6 +20,7 @@ from typing import Any, Iterator, Optional
 from evalrun.engine import Tokenizer
 from evalrun.errors import BadInput
 from evalrun.results import fingerprint_model_dir
+from evalrun.results.text import terminal_safe
 from evalrun.run.common import base_manifest, engine_identity, model_manifest, model_name, resolve_model_dir, stored_run
 from evalrun.run.config import RunConfig
 from evalrun.run.engine_config import engine_config
@@ -114,7 +117,10 @@ def _reporter(spec: TaskSpec, cfg: RunConfig, run: TaskRun) -> Report:
 
     def report(rows: list[dict], per: list[dict], overall: dict, tp: Optional[dict], out: Path) -> None:
         manifest = {**(run.stored or {}), **run.manifest}         # this session's entries, else the stored ones
-        spec.report(cfg.options, RunReport(rows, per, overall, tp, out, manifest))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):                 # its subjects, task and metric names come from
+            spec.report(cfg.options, RunReport(rows, per, overall, tp, out, manifest))     # data: escaped here
+        sys.stdout.write(terminal_safe(printed.getvalue()))
     return report
 
 
