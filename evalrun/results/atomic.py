@@ -15,6 +15,7 @@ from typing import Any, Callable, IO, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from evalrun.results.links import open_nofollow
 from evalrun.results.schema import TMP_SUFFIX
 
 
@@ -34,7 +35,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None],
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
     try:
-        f = open(tmp, "wb")
+        f = os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")    # a new file, never a link
         try:
             write(f)
             f.flush()

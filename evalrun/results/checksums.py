@@ -9,6 +9,7 @@ change a column's name, type or statistics; so every whole file is hashed:
 - samples.parquet: its sha256 goes into the manifest ("samples_sha256") when it is written.
 
 A run directory from before checksums (no `_checksums.jsonl`) is read as before, unverified.
+The index is opened with O_NOFOLLOW: a link there is refused, never appended to (results/links.py).
 The leading "_" keeps pyarrow.dataset from listing the index as data.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from evalrun.results.links import open_nofollow, read_bytes_nofollow
 from evalrun.results.schema import CHECKSUMS_FILE
 
 _CHUNK = 1 << 20
@@ -38,7 +40,7 @@ def load_index(samples_dir: Path) -> Optional[dict[str, str]]:
     Lines that do not parse (a torn last line) are skipped: their parts were never published."""
     path = Path(samples_dir) / CHECKSUMS_FILE
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_bytes_nofollow(path).decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
     index: dict[str, str] = {}
@@ -55,13 +57,11 @@ def record(samples_dir: Path, part: str, sha256: str) -> None:
     """Append one part's line and fsync it (called before the part is published)."""
     line = json.dumps({"part": part, "sha256": sha256}) + "\n"
     path = Path(samples_dir) / CHECKSUMS_FILE
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":                  # a line torn by a crash or a full disk: end it
-                line = "\n" + line
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_nofollow(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":   # a line torn by a crash or a full disk: end it
+            line = "\n" + line
         data = line.encode()
         while data:                                   # a short write (full disk) must not pass as done
             written = os.write(fd, data)
@@ -75,7 +75,7 @@ def record(samples_dir: Path, part: str, sha256: str) -> None:
 
 def start_index(samples_dir: Path) -> None:
     """Create an empty index in a new run's samples dir: from then on every part is verified."""
-    fd = os.open(Path(samples_dir) / CHECKSUMS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = open_nofollow(Path(samples_dir) / CHECKSUMS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         os.fsync(fd)
     finally:

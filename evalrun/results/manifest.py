@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from evalrun.results.atomic import atomic_write_json
 from evalrun.results.checksums import sha256_file
+from evalrun.results.links import read_bytes_nofollow
 from evalrun.results.schema import MANIFEST_FILE, ModelFingerprint, Throughput
 from evalrun.version import git_info
 
@@ -120,8 +121,8 @@ def throughput(
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
-    with open(Path(run_dir) / MANIFEST_FILE, encoding="utf-8") as f:
-        return json.load(f)
+    """manifest.json as stored (a link there is a RunDirLinkError: never followed)."""
+    return json.loads(read_bytes_nofollow(Path(run_dir) / MANIFEST_FILE).decode("utf-8"))
 
 
 def write_manifest(run_dir: str | Path, manifest: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from evalrun.results.atomic import fsync_dir
+from evalrun.results.links import open_nofollow, read_bytes_nofollow
 from evalrun.results.schema import MERGED_PARTS_METADATA_KEY, PART_RE, QUARANTINE_PREFIX, TMP_SUFFIX
 
 READ_ERRORS = (OSError, pa.ArrowException, ValueError)
@@ -48,16 +49,15 @@ def remove_stale_temps(samples_dir: Path) -> None:
 def read_part(path: Path, columns: Optional[Sequence[str]] = None,
               sha256: Optional[str] = None) -> Optional[pa.Table]:
     """The part's table, or None when it is torn or unreadable, or (sha256 given) its bytes are
-    not the ones recorded; the hash is taken over the same bytes that are parsed."""
+    not the ones recorded; the hash is taken over the same bytes that are parsed. A link is a
+    RunDirLinkError, never followed."""
     cols = list(columns) if columns is not None else None
     try:
-        if sha256 is None:
-            return pq.read_table(path, columns=cols)
-        data = Path(path).read_bytes()
-        if hashlib.sha256(data).hexdigest() != sha256:
+        data = read_bytes_nofollow(path)
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             return None
         return pq.read_table(pa.BufferReader(data), columns=cols)
-    except READ_ERRORS:
+    except READ_ERRORS:                              # NOTE: not RunDirLinkError: a link is no torn part
         return None
 
 
@@ -92,7 +92,8 @@ def with_merged_parts(table: pa.Table, part_names: Sequence[str]) -> pa.Table:
 def merged_parts_of(path: Path) -> Optional[list[str]]:
     """Part names recorded in samples.parquet, or None when it is absent or unreadable."""
     try:
-        metadata = pq.read_schema(path).metadata or {}
+        with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
+            metadata = pq.read_schema(f).metadata or {}
     except READ_ERRORS:
         return None
     raw = metadata.get(MERGED_PARTS_METADATA_KEY)

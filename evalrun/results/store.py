@@ -4,6 +4,7 @@
 
 NOTE: a part is published with os.replace after fsync, so on disk it is complete or absent;
 rows still buffered when the process dies are simply redone on resume.
+NOTE: no link inside a run directory is followed (evalrun/results/links.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyarrow as pa
 from evalrun.results import checksums
 from evalrun.results.atomic import atomic_write_parquet, fsync_dir, to_jsonable
 from evalrun.results.errors import NotARunDirError, ResumeMismatchError, RunDirBusyError
+from evalrun.results.links import check_not_link, check_run_dir, open_nofollow
 from evalrun.results.manifest import environment_info, identity_mismatches, read_manifest, utc_now, write_manifest
 from evalrun.results.parts import (
     list_parts,
@@ -88,6 +90,7 @@ class RunStore:
             raise ValueError('manifest needs an "identity" dict (task, fingerprints, config hash)')
         if flush_rows < 1 or flush_seconds <= 0:
             raise ValueError(f"need flush_rows >= 1 and flush_seconds > 0, got {flush_rows}, {flush_seconds}")
+        check_run_dir(run_dir)
         _check_is_run_dir(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         lock_fd = _lock(run_dir)
@@ -136,6 +139,7 @@ class RunStore:
         self._check_open()
         if not self._buffer:
             return
+        check_not_link(self.samples_dir)
         table = self._to_table(self._buffer)
         name = part_name(self._seq, uuid.uuid4().hex[:8])
         record = None
@@ -241,6 +245,7 @@ class RunStore:
 def read_samples(run_dir: str | Path) -> pd.DataFrame:
     """All rows of a run (finalized or not): first row per key, sorted by key; torn parts skipped."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     if not (run_dir / MANIFEST_FILE).is_file():
         raise NotARunDirError(f"{run_dir} has no {MANIFEST_FILE}")
     manifest = read_manifest(run_dir)
@@ -295,6 +300,7 @@ def samples_file_intact(run_dir: str | Path) -> bool:
     """Whether the run's samples.parquet is there, readable, and (when the manifest records its
     hash) byte for byte what was written."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     recorded = read_manifest(run_dir).get("samples_sha256") if (run_dir / MANIFEST_FILE).is_file() else None
     return read_samples_file(run_dir, recorded)[0] is not None
 
@@ -324,7 +330,7 @@ def _check_is_run_dir(run_dir: Path) -> None:
 
 
 def _lock(run_dir: Path) -> int:
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_nofollow(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -383,6 +389,7 @@ def inspect_run(run_dir: str | Path) -> Optional[dict[str, Any]]:
     that is not readable JSON or lacks its store fields (the message names the file), and
     RunDirBusyError while another process has the run open."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     _check_is_run_dir(run_dir)
     _check_not_busy(run_dir)
     path = run_dir / MANIFEST_FILE
@@ -403,7 +410,7 @@ def inspect_run(run_dir: str | Path) -> Optional[dict[str, Any]]:
 def _check_not_busy(run_dir: Path) -> None:
     """RunDirBusyError if a RunStore (any process) holds the run dir's lock; takes nothing."""
     try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+        fd = open_nofollow(run_dir / LOCK_FILE, os.O_RDONLY)
     except OSError:
         return                                  # no lock file: nobody has opened it
     try:
@@ -435,6 +442,7 @@ def check_resumable(run_dir: Path, stored: dict[str, Any], identity: dict[str, A
 def stored_keys(run_dir: str | Path, key_columns: Sequence[str]) -> set[Key]:
     """Keys of the rows durably stored in `run_dir` (read-only: torn parts are skipped, not moved)."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     stored = read_manifest(run_dir) if (run_dir / MANIFEST_FILE).is_file() else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the store that opens the run says it, once
