@@ -1,9 +1,13 @@
 """RunStore: crash-safe, resumable sample rows of one eval run (see evalrun/results/schema.py for the layout).
 
-    open ──► completed_keys() ──► add(row) … (auto flush: one parquet part per flush) ──► finalize()
+    open ──► completed_keys() ──► add(row) … (auto flush: one parquet part per flush)
+         ──► merge_samples() ──► (the caller writes the summary) ──► mark_finalized()
+             (finalize() = both, for a run without a summary)
 
 NOTE: a part is published with os.replace after fsync, so on disk it is complete or absent;
 rows still buffered when the process dies are simply redone on resume.
+NOTE: a run whose manifest says "finalized" has its summary: the summary is written before the
+manifest says so, and a run killed in between is finalized again by its rerun, without a model.
 NOTE: no link inside a run directory is followed (evalrun/results/links.py).
 """
 
@@ -152,7 +156,15 @@ class RunStore:
         self._buffer.clear()
 
     def finalize(self) -> pd.DataFrame:
-        """Flush, merge everything into samples.parquet (first row per key wins, sorted by key)."""
+        """merge_samples(), then mark_finalized(): for a run without a summary."""
+        merged = self.merge_samples()
+        self.mark_finalized()
+        return merged
+
+    def merge_samples(self) -> pd.DataFrame:
+        """Flush, merge everything into samples.parquet (first row per key wins, sorted by key) and
+        record its hash in the manifest. The run is not finalized yet: write its summary, then
+        mark_finalized(), so that a run killed in between is finalized again by its rerun."""
         self.flush()
         tables, covered = _collect(self.run_dir, self._quarantine, self.manifest.get("samples_sha256"),
                                    self.key_columns)
@@ -161,9 +173,12 @@ class RunStore:
         atomic_write_parquet(self.run_dir / SAMPLES_FILE, with_merged_parts(merged, covered),
                              lambda tmp: digest.update(sha256=checksums.sha256_file(tmp)))
         self._keys = set(_keys_of(merged, self.key_columns)) if merged.num_columns else set()
-        self.update_manifest(status="finalized", finalized_at=utc_now(), num_samples=merged.num_rows,
-                             samples_sha256=digest["sha256"])
+        self.update_manifest(num_samples=merged.num_rows, samples_sha256=digest["sha256"])
         return merged.to_pandas()
+
+    def mark_finalized(self) -> None:
+        """The manifest says "finalized": every row is in samples.parquet and the summary is written."""
+        self.update_manifest(status="finalized", finalized_at=utc_now())
 
     def update_manifest(self, **fields: Any) -> None:
         """Shallow-update manifest.json atomically; fields not named are kept."""

@@ -13,7 +13,8 @@ setting or a mismatched run directory is refused before anything is computed, th
 them one after another with one ModelLoader.
 
 The summary always covers the current selection (--subjects/--limit/--n-samples); rows
-outside it stay stored. A resume that has nothing to do writes nothing.
+outside it stay stored. A resume that has nothing to do writes nothing, unless its run was stopped
+before it was finalized or lost its summary: then it finalizes it, without a model (report_stored).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Any, Callable, ContextManager, Optional
 from evalrun.results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
                              write_summary)
 from evalrun.results.manifest import utc_now
+from evalrun.results.summary import summary_intact
 from evalrun.run.common import clean, generator_throughput, load_model, make_generator
 from evalrun.run.config import RayOptions
 from evalrun.run.engine_config import EngineConfig
@@ -120,19 +122,19 @@ class ModelLoader:
 
 
 def report_stored(run: TaskRun, todo: Pending, report: Report) -> int:
-    """Nothing to run: say so and print the stored results of the selection. A finalized run is
-    left exactly as it is; one stopped before finalizing (killed after its last flush) is
-    finalized now, without a model."""
+    """Nothing to run: say so and print the stored results of the selection. A finalized run whose
+    samples.parquet and summary are intact is left exactly as it is; one stopped before finalizing
+    (killed after its last flush, or before its summary was written) is finalized now, without a
+    model."""
     print(f"{len(todo.keys)} of {len(todo.keys)} {run.unit} already {run.verb} in {run.out_dir}; nothing to run",
           file=sys.stderr)
-    if (run.stored or {}).get("status") == "finalized" and samples_file_intact(run.out_dir):
+    if ((run.stored or {}).get("status") == "finalized" and samples_file_intact(run.out_dir)
+            and summary_intact(run.out_dir)):
         rows = _selected(read_samples(run.out_dir).to_dict("records"), run.task, todo.keys)
         per, overall = run.task.summarize(rows)
     else:
         with open_store(run) as store:
-            rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
-            per, overall = run.task.summarize(rows)
-            write_summary(run.out_dir, clean(per), clean(overall))
+            rows, per, overall = finalize_with_summary(run, todo, store)
     report(rows, per, overall, None, run.out_dir)
     return all_skipped_status(run, rows)
 
@@ -203,9 +205,7 @@ def score_without_model(run: TaskRun, todo: Pending, report: Report) -> int:
         plans = [p for p in run.task.plan(None, None) if p.doc_key not in done]
         t0 = time.time()
         score_plans(run.task, plans, store.add, {}, progress=run.progress, desc=run.progress_desc)
-        rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
-        per, overall = run.task.summarize(rows)
-        write_summary(run.out_dir, clean(per), clean(overall))
+        rows, per, overall = finalize_with_summary(run, todo, store)
         store.record_session(end_time=utc_now(), wall_seconds=time.time() - t0)
     report(rows, per, overall, None, run.out_dir)
     return 0
@@ -219,11 +219,22 @@ def finish_session(run: TaskRun, todo: Pending, store: RunStore,
         print(f"warning: {session.nonfinite} {run.unit} were scored from logits holding NaN or Inf (a broken "
               f"model or dtype); they count as wrong and are flagged in the nonfinite_logits column", file=sys.stderr)
     _warn_cache_skips(run, session.skipped, session.cache_fits)
-    rows = _selected(store.finalize().to_dict("records"), run.task, todo.keys)
-    per, overall = run.task.summarize(rows)
     this_session = {"rows": session.rows, "generator": session.generator}
-    write_summary(run.out_dir, clean(per), clean({**overall, "this_session": this_session}))
+    rows, per, overall = finalize_with_summary(run, todo, store, {"this_session": this_session})
     store.record_session(end_time=utc_now(), throughput=session.throughput, **session.record)
+    return rows, per, overall
+
+
+def finalize_with_summary(run: TaskRun, todo: Pending, store: RunStore, extra: Optional[dict[str, Any]] = None,
+                          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """samples.parquet, the selection's summary (overall plus `extra` in summary.json), then the
+    manifest says finalized; returns the selection's rows, the per-group summary and the overall one.
+    NOTE: in this order, so that a finalized run always has its summary: a run killed before the
+    last step is not finalized, and its rerun finalizes it without a model (report_stored)."""
+    rows = _selected(store.merge_samples().to_dict("records"), run.task, todo.keys)
+    per, overall = run.task.summarize(rows)
+    write_summary(run.out_dir, clean(per), clean({**overall, **(extra or {})}))
+    store.mark_finalized()
     return rows, per, overall
 
 
