@@ -3,9 +3,12 @@ combined into one ordinary run directory, as if one process had run the whole se
 
     each RUN_DIR: a finished shard run (finalized, manifest["shard"]) holding all its units' rows
       ──► one task, key columns, shard count and identity but for SHARD_IDENTITY_KEYS (else exit 2
-          naming the first difference and both values); shards 0..N-1 each once; no key twice
+          naming the first difference and both values); shards 0..N-1 each once; every row's key
+          one of its shard's own (manifest["shard"]["keys"]); no key twice
       ──► DIR: manifest.json (the whole run's identity, "merged_from"), one sample part per shard,
-          samples.parquet, the prompts, summary.json/summary.parquet from the task's summary
+          samples.parquet, the prompts, summary.json/summary.parquet from the task's summary, and
+          only then the manifest says finalized (a merge killed before that is redone by the same
+          command, without --overwrite)
 
 `evalrun show`, `compare`, `regress` and a resume of the whole run (the same command without
 --shard, into DIR) treat DIR as a run made in one process. Rows are copied as stored: the
@@ -24,8 +27,8 @@ from typing import Any, Optional, Sequence
 import pyarrow as pa
 
 from evalrun.errors import BadInput
-from evalrun.results import (RunStore, environment_info, read_prompt_messages, read_prompts, write_prompts,
-                             write_summary)
+from evalrun.results import (NotARunDirError, RunDirBusyError, RunStore, environment_info, inspect_run,
+                             read_prompt_messages, read_prompts, write_prompts, write_summary)
 from evalrun.results.errors import RunReadError
 from evalrun.results.manifest import utc_now
 from evalrun.results.run_reader import finished_manifest, read_finished_rows
@@ -72,8 +75,9 @@ def run_merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
     shards = [load_shard(Path(p)) for p in args.run_dirs]
     check_shards(shards)
     out = Path(args.output_dir)
-    _check_output_dir(out, shards, args.overwrite)
-    rows, overall = write_merged(out, sorted(shards, key=lambda s: s.index), argv, args.overwrite)
+    overwrite = args.overwrite or _unfinished_merge(out)
+    _check_output_dir(out, shards, overwrite)
+    rows, overall = write_merged(out, sorted(shards, key=lambda s: s.index), argv, overwrite)
     metric = task_spec(shards[0].manifest["task"]).aggregate
     value = overall.get(metric)
     shown = "-" if value is None or value != value else f"{value:.4f}"
@@ -114,6 +118,7 @@ def check_shards(shards: Sequence[ShardRun]) -> None:
         _check_same_run(first, other)
     _check_shard_set(shards)
     for shard in shards:
+        _check_own_keys(shard)
         docs = shard.manifest["shard"]["docs"]
         if shard.rows.num_rows != docs:
             raise BadInput(f"{shard.path} (shard {shard.label}) holds {shard.rows.num_rows} rows, but its units have "
@@ -158,6 +163,21 @@ def _check_shard_set(shards: Sequence[ShardRun]) -> None:
                        "of the run")
 
 
+def _check_own_keys(shard: ShardRun) -> None:
+    """BadInput naming the first row whose key is not one of the shard's own documents'."""
+    declared = shard.manifest["shard"].get("keys")
+    if declared is None:
+        print(f"warning: {shard.path} (shard {shard.label}) was made before shards recorded their keys: its rows "
+              "are checked by count and overlap only", file=sys.stderr)
+        return
+    own = {tuple(k) for k in declared}
+    columns = shard.manifest["key_columns"]
+    for key in zip(*(shard.rows.column(c).to_pylist() for c in columns)):
+        if key not in own:
+            raise BadInput(f"{shard.path} (shard {shard.label}) holds the row {dict(zip(columns, key))}, outside its "
+                           "selection: remake that shard (its command with --overwrite)")
+
+
 def _check_disjoint(shards: Sequence[ShardRun]) -> None:
     owner: dict[tuple, ShardRun] = {}
     for shard in shards:
@@ -167,6 +187,16 @@ def _check_disjoint(shards: Sequence[ShardRun]) -> None:
                 raise BadInput(f"row {dict(zip(columns, key))} is stored in two shards: {owner[key].path} "
                                f"and {shard.path}")
             owner[key] = shard
+
+
+def _unfinished_merge(out: Path) -> bool:
+    """`out` holds a merge stopped before its manifest said finalized (killed): the merge is redone."""
+    try:
+        manifest = inspect_run(out)
+    except (NotARunDirError, RunDirBusyError):
+        return False                        # RunStore.open says why (a link, busy); not a run: "not empty"
+    return (manifest is not None and manifest.get("status") != "finalized" and "merged_from" in manifest
+            and not manifest.get("resumes"))
 
 
 def _check_output_dir(out: Path, shards: Sequence[ShardRun], overwrite: bool) -> None:
@@ -210,10 +240,11 @@ def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
             for row in shard.rows.to_pylist():
                 store.add(row)
             store.flush()
-        rows = store.finalize().to_dict("records")
+        rows = store.merge_samples().to_dict("records")
         summarize = task_spec(first["task"]).summarize
         assert summarize is not None                     # load_shard checked it
         per, overall = summarize(rows, first["shard"]["selection"]["groups"])
         write_summary(out, clean(per), clean(overall))
+        store.mark_finalized()                           # NOTE: after the summary (see RunStore)
         store.record_session(end_time=utc_now())
     return rows, overall

@@ -110,7 +110,7 @@ class Manifest(TypedDict, total=False):
     n_samples: int  # humaneval: of the session that started the run
     limit: Optional[int]  # humaneval: of the session that started the run
     samples_file: str  # humaneval --score-samples
-    shard: dict[str, Any]  # --shard K/N: {"index", "count", "units", "docs", "selection": {"sha256", "docs", ...}}
+    shard: dict[str, Any]  # --shard K/N: {"index", "count", "units", "docs", "selection": {"sha256", "docs", ...}, "keys": its rows' keys}
     merged_from: list[dict[str, Any]]  # evalrun merge: [{"path", "run_id", "shard", "throughput"}] per shard
     # --ray (of the session that started the run; a resume's in its `resumes` entry): the options, "parcels",
     # "rows", "duplicates_dropped", "actors" [{"slot", "instance", "pid", "node", "parcels", "rows", "end"}],

@@ -63,9 +63,10 @@ class TaskShard:
         return {"shard": self.spec.label, "shard_selection": self.selection["sha256"][:16]}
 
     def record(self) -> dict[str, Any]:
-        """manifest["shard"]."""
+        """manifest["shard"]; "keys" are its documents' row keys, which `evalrun merge` holds its rows to."""
         return {"index": self.spec.index, "count": self.spec.count, "units": [u.key for u in self.units],
-                "docs": sum(len(u.doc_keys) for u in self.units), "selection": self.selection}
+                "docs": sum(len(u.doc_keys) for u in self.units), "selection": self.selection,
+                "keys": [list(k) for u in self.units for k in u.doc_keys]}
 
 
 def take_shard(task: Task, spec: ShardSpec) -> TaskShard:
