@@ -232,6 +232,16 @@ def test_a_linked_checksum_index_is_refused_and_its_target_untouched(tiny_model_
     assert victim.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", ["merge", "compare", "show"])
+def test_reading_commands_refuse_a_run_dir_holding_a_link(shards, tmp_path, capsys, command):
+    linked = shutil.copytree(shards[0], tmp_path / "linked")
+    _move_and_link(linked / "prompts", tmp_path / "victim")
+    args = {"merge": ["merge", str(linked), str(shards[1]), "--output-dir", str(tmp_path / "merged")],
+            "compare": ["compare", str(shards[0]), str(linked)], "show": ["show", str(linked)]}[command]
+    assert main(args) == 2
+    assert f"error: {linked / 'prompts'} is a symbolic link" in _one_line_error(capsys, command)
+
+
 def _store_run(run_dir: Path) -> None:
     with RunStore.open(run_dir, {"identity": {"task": "t"}}, ["k"]) as store:
         store.add({"k": 1, "v": "a"})

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from evalrun.results import checksums
 from evalrun.results.errors import NotARunDirError, RunDirBusyError, RunReadError
+from evalrun.results.links import RunDirLinkError
 from evalrun.results.parts import list_parts, merge_tables, read_part
 from evalrun.results.schema import MANIFEST_FILE, SAMPLES_DIR, SAMPLES_FILE
 from evalrun.results.store import inspect_run, read_samples_file
@@ -51,6 +52,8 @@ def finished_manifest(path: Path) -> dict[str, Any]:
     except RunDirBusyError:
         raise RunReadError(f"{path}: the run is still in progress (another evalrun process has it open); "
                            "compare it once it has finished") from None
+    except RunDirLinkError as exc:
+        raise RunReadError(str(exc)) from None             # names the link, inside `path`
     except NotARunDirError as exc:
         raise RunReadError(f"{path}: corrupt manifest: {exc}") from None
     assert manifest is not None
