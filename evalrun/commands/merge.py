@@ -170,7 +170,10 @@ def _check_own_keys(shard: ShardRun) -> None:
         print(f"warning: {shard.path} (shard {shard.label}) was made before shards recorded their keys: its rows "
               "are checked by count and overlap only", file=sys.stderr)
         return
-    own = {tuple(k) for k in declared}
+    try:
+        own = {tuple(k) for k in (json.loads(declared) if isinstance(declared, str) else declared)}
+    except (TypeError, ValueError):
+        raise BadInput(f"{shard.path} (shard {shard.label}): its manifest's shard keys are unreadable") from None
     columns = shard.manifest["key_columns"]
     for key in zip(*(shard.rows.column(c).to_pylist() for c in columns)):
         if key not in own:

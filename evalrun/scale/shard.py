@@ -10,6 +10,8 @@ A shard's identity is the whole run's plus SHARD_IDENTITY_KEYS; a merged run dro
 """
 from __future__ import annotations
 
+import json
+
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -63,10 +65,12 @@ class TaskShard:
         return {"shard": self.spec.label, "shard_selection": self.selection["sha256"][:16]}
 
     def record(self) -> dict[str, Any]:
-        """manifest["shard"]; "keys" are its documents' row keys, which `evalrun merge` holds its rows to."""
+        """manifest["shard"]; "keys" are its documents' row keys, which `evalrun merge` holds its rows to (one
+        compact JSON string: a full MMLU shard's 14,042 keys stay one line of the manifest)."""
+        keys = [list(k) for u in self.units for k in u.doc_keys]
         return {"index": self.spec.index, "count": self.spec.count, "units": [u.key for u in self.units],
                 "docs": sum(len(u.doc_keys) for u in self.units), "selection": self.selection,
-                "keys": [list(k) for u in self.units for k in u.doc_keys]}
+                "keys": json.dumps(keys, separators=(",", ":"))}
 
 
 def take_shard(task: Task, spec: ShardSpec) -> TaskShard:
