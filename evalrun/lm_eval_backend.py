@@ -25,6 +25,7 @@ from lm_eval.api.registry import register_model
 
 from evalrun.errors import BadInput, RunFailed, as_bad_input
 from evalrun.lm_eval_backend_engine import BackendSettings, Engine
+from evalrun.results.text import terminal_safe
 from evalrun.tasks.base import Answer
 from evalrun.tasks.lm_eval_requests import cut_at_stops, generation_request, loglikelihood, score_request
 
@@ -105,13 +106,13 @@ def main() -> int:
     try:
         cli_evaluate()
     except (BadInput, RunFailed) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {terminal_safe(str(exc), True)}", file=sys.stderr)
         return 2 if isinstance(exc, BadInput) else 1
     except Exception as exc:  # noqa: BLE001 - only the user's input errors become one line; the rest re-raise
         bad = as_bad_input(exc)
         if bad is None:
             raise
-        print(f"error: {bad}", file=sys.stderr)
+        print(f"error: {terminal_safe(str(bad), True)}", file=sys.stderr)
         return 2
     return 0
 

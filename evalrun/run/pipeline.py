@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager, Optional
 from evalrun.results import (RunStore, check_resumable, read_samples, samples_file_intact, stored_keys, write_prompts,
                              write_summary)
 from evalrun.results.manifest import utc_now
+from evalrun.results.text import terminal_safe
 from evalrun.results.summary import summary_intact
 from evalrun.run.common import clean, generator_throughput, load_model, make_generator
 from evalrun.run.config import RayOptions
@@ -147,7 +148,7 @@ def all_skipped_status(run: TaskRun, rows: list[dict[str, Any]]) -> int:
     reasons = Counter(str(r.get("skip_reason") or "no reason recorded") for r in rows)
     reason, n = reasons.most_common(1)[0]
     more = f" (and {len(reasons) - 1} other causes)" if len(reasons) > 1 else ""
-    print(f"error: all {len(rows)} {run.unit} were skipped, so there is no score: {reason}"
+    print(f"error: all {len(rows)} {run.unit} were skipped, so there is no score: {terminal_safe(reason, True)}"
           f"{'' if n == len(rows) else f' ({n} of them)'}{more}", file=sys.stderr)
     return 2
 
