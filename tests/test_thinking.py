@@ -312,3 +312,13 @@ def test_the_runner_passes_thinking_through():
     assert (answer.thinking_tokens, answer.thinking_forced) == (4, True)
     del result["thinking_tokens"], result["thinking_forced"]
     assert (answer_of(request, result).thinking_tokens, answer_of(request, result).thinking_forced) == (None, False)
+
+
+def test_generate_takes_the_thinking_arguments(tiny, tiny_tok, prompt):
+    """DynamicGenerator.generate(think_end="</think>", max_thinking_tokens=N) is the job's thinking phase."""
+    script = forever(tiny_tok)
+    gen = scripted_generator(tiny, tiny_tok, prompt, script)
+    text = gen.generate(tiny_tok.decode(prompt), 12, stop_conditions=[], think_end="</think>", max_thinking_tokens=4,
+                        completion_only=True, encode_special_tokens=True)
+    marker = tiny_tok.encode("</think>", encode_special_tokens=True)
+    assert text == tiny_tok.decode(script[:4] + marker + script[4 + len(marker):12])

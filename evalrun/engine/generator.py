@@ -249,10 +249,13 @@ class DynamicGenerator:
                  stop_conditions: Optional[Sequence[int | str]] = None,
                  gen_settings: Optional[SamplerSettings | Sequence[SamplerSettings]] = None,
                  seed: Optional[int] = None, add_bos: bool = False, encode_special_tokens: bool = False,
-                 decode_special_tokens: bool = False, completion_only: bool = False) -> str | list[str]:
+                 decode_special_tokens: bool = False, completion_only: bool = False,
+                 think_end: Optional[str | Sequence[int]] = None,
+                 max_thinking_tokens: Optional[int] = None) -> str | list[str]:
         """Generate for one prompt (returns str) or a list (returns a list, same order).
         stop_conditions=None stops at the tokenizer's EOS ids; pass [] to disable. With a
-        list of prompts, prompt i uses seed + i."""
+        list of prompts, prompt i uses seed + i. think_end (the marker's text, special tokens as
+        their ids, or its ids) and max_thinking_tokens: DynamicJob's thinking phase."""
         if self.tokenizer is None:
             raise ValueError("generate() needs a tokenizer; pass tokenizer= to DynamicGenerator")
         if self.num_remaining_jobs():
@@ -261,10 +264,13 @@ class DynamicGenerator:
         prompts = [prompt] if single else list(prompt)
         settings = _per_prompt(gen_settings, len(prompts))
         stops = self.tokenizer.eos_token_ids if stop_conditions is None else stop_conditions
+        marker = self.tokenizer.encode(think_end, encode_special_tokens=True) if isinstance(think_end, str) \
+            else think_end
         jobs = [DynamicJob(self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens),
                            max_new_tokens, min_new_tokens, stops, settings[i],
                            None if seed is None else seed + i, identifier=i,
-                           decode_special_tokens=decode_special_tokens)
+                           decode_special_tokens=decode_special_tokens, think_end=marker,
+                           max_thinking_tokens=max_thinking_tokens)
                    for i, p in enumerate(prompts)]
         self.enqueue(jobs)
         completions = [""] * len(jobs)
