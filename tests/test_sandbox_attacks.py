@@ -237,10 +237,12 @@ def test_file_and_socket_attacks(level_box, problems, canaries, listener):
     changed = [str(f) for f in canaries if not f.exists() or f.read_text() != "original"]
     strays = [str(f.parent / "new.txt") for f in canaries if (f.parent / "new.txt").exists()]
     if info["level"] == "basic":
-        # NOTE: no mount or network namespace, as isolation_info says: the same attacks
-        # succeed here, which shows that they are real attacks.
-        assert not info["readonly_fs"] and not info["network_isolated"]
-        assert changed and connections(listener) >= 1
+        # NOTE: no mount or network namespace, as isolation_info says: the file attacks succeed
+        # here, which shows that they are real attacks; the network is out of reach only because
+        # the seccomp filter refuses socket() for every family there (where there is one).
+        filtered = bool(info["seccomp_denied"])
+        assert not info["readonly_fs"] and info["network_isolated"] is filtered
+        assert changed and (connections(listener) == 0) is filtered
         return
     assert info["readonly_fs"] and info["network_isolated"]
     assert (changed, strays) == ([], [])
@@ -290,7 +292,8 @@ def test_isolation_info(box, level_box):
     assert info["rlimits"] == {"cpu_seconds": 3, "address_space_mb_above_interpreter": 1024,
                                "file_size_mb": 16, "max_processes": 32, "core": 0}
     namespaced = info["level"] != "basic"
-    assert info["pid_namespace"] is namespaced and info["network_isolated"] is namespaced
+    assert info["pid_namespace"] is namespaced
+    assert info["network_isolated"] is (namespaced or bool(info["seccomp_denied"]))   # basic: socket() refused
     assert info["readonly_fs"] is namespaced
     assert info["uid_dropped"] is (os.geteuid() == 0 and info["level"] != "userns")
     assert len(info["sandbox_uids"]) == (4 if info["uid_dropped"] else 0)

@@ -1,8 +1,9 @@
 """Issue 13, items 3 and 4: host Unix sockets and kernel keyrings. A read-only mount and a network
 namespace do not stop connect() to a 0666 AF_UNIX socket under a host path, and a key stored in the
 user keyring by one sample was read back by the next (and by a later run on the same uid). The
-worker's seccomp filter refuses socket() for AF_UNIX, AF_NETLINK and AF_VSOCK and the keyring
-calls (add_key, keyctl, request_key), at every level this machine provides.
+worker's seccomp filter refuses socket() for every family but AF_INET and AF_INET6 (for every
+family at the basic level, issue 43) and the keyring calls (add_key, keyctl, request_key), at every
+level this machine provides.
 
 A sample "passes" here only if its attack worked: the completion returns the right answer for
 HumanEval/0 exactly when it reached the socket or found the key, so `passed` would reveal a hole."""
@@ -55,7 +56,7 @@ def test_host_unix_socket_is_unreachable(level_box, problems, tmp_path):
             server.accept()                                      # no connection ever arrived
     finally:
         server.close()
-    assert "socket(AF_UNIX)" in level_box.isolation_info()["seccomp_denied"]
+    assert any(label.startswith("socket(every family") for label in level_box.isolation_info()["seccomp_denied"])
 
 
 def test_netlink_and_vsock_sockets_are_refused(level_box, problems):
@@ -107,7 +108,8 @@ ok = kid > 0
 
 def test_the_filter_is_what_refuses(level_box, problems):
     """Control: the same probe for an allowed family (AF_INET socket creation, not connecting)
-    does pass, so `failed` above comes from the filter, not from a broken attack."""
+    does pass, so `failed` above comes from the filter, not from a broken attack. At the basic
+    level, which has no network namespace, every family is refused (issue 43)."""
     attack = """
     import socket
     ok = False
@@ -117,7 +119,8 @@ def test_the_filter_is_what_refuses(level_box, problems):
     except OSError:
         pass
     """
-    assert level_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack))).status == "passed"
+    expected = "failed" if level_box.isolation_info()["level"] == "basic" else "passed"
+    assert level_box.run(he_spec(problems["HumanEval/0"], right_only_if(attack))).status == expected
 
 
 def test_high_bits_in_the_family_do_not_dodge_the_filter(level_box, problems):

@@ -10,7 +10,6 @@ nothing at import time.
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import os
 import re
@@ -285,63 +284,3 @@ def switch_user(uid: int, keep_dac_read: bool) -> None:
     os.setresuid(uid, uid, uid)
     if keep_dac_read:
         set_capabilities(1 << CAP_DAC_READ_SEARCH)
-
-
-# --- seccomp (libseccomp through ctypes) ------------------------------------------------------
-_SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_CMP_MASKED_EQ = 7           # (arg & datum_a) == datum_b: the kernel reads socket()'s family as a
-                                  # 32-bit int, so high bits set by a raw syscall must not dodge the rule
-AF_UNIX, AF_NETLINK, AF_VSOCK = 1, 16, 40
-DENIED_SOCKET_FAMILIES = {"AF_UNIX": AF_UNIX, "AF_NETLINK": AF_NETLINK, "AF_VSOCK": AF_VSOCK}
-DENIED_SYSCALLS = ("add_key", "keyctl", "request_key",      # kernel keyrings outlive a sample
-                   "io_uring_setup", "io_uring_enter", "io_uring_register")   # sockets without socket()
-
-
-class _ArgCmp(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
-                ("datum_b", ctypes.c_uint64)]
-
-
-def _act_errno(err: int) -> int:
-    return 0x00050000 | (err & 0xFFFF)
-
-
-def deny_syscalls(also: Iterable[str] = ()) -> list[str]:
-    """Load a seccomp filter (after PR_SET_NO_NEW_PRIVS) that fails with EPERM: socket() for
-    AF_UNIX, AF_NETLINK and AF_VSOCK (seccomp cannot see connect()'s address, so the family is
-    refused at creation: a host's Unix sockets stay unreachable even through a read-only mount),
-    the kernel keyring calls (a key stored by one sample would be read by the next), and io_uring
-    (its IORING_OP_SOCKET/CONNECT make sockets without socket()); and the syscalls named in `also`
-    (memfd_create and shmget where no memory cgroup bounds what they allocate, see memcg.py).
-    Syscalls of another ABI (int 0x80) kill the process (libseccomp's default). Returns what is
-    denied; OSError when libseccomp is missing or the filter cannot be loaded."""
-    try:
-        lib = ctypes.CDLL("libseccomp.so.2", use_errno=True)
-    except OSError as exc:
-        raise OSError(f"libseccomp is not installed ({exc})") from None
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
-                                           ctypes.POINTER(_ArgCmp)]
-    lib.seccomp_load.argtypes = [ctypes.c_void_p]
-    lib.seccomp_release.argtypes = [ctypes.c_void_p]
-    rules = [(f"socket({name})", "socket", [_ArgCmp(0, _SCMP_CMP_MASKED_EQ, 0xFFFFFFFF, family)])
-             for name, family in DENIED_SOCKET_FAMILIES.items()]
-    rules += [(name, name, []) for name in (*DENIED_SYSCALLS, *also)]
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        raise OSError("seccomp_init failed")
-    try:
-        for label, syscall, args in rules:
-            nr = lib.seccomp_syscall_resolve_name(syscall.encode())
-            rc = lib.seccomp_rule_add_array(ctx, _act_errno(errno.EPERM), nr, len(args),
-                                            (_ArgCmp * len(args))(*args) if args else None)
-            if rc != 0:
-                raise OSError(-rc, f"seccomp rule {label}: {os.strerror(-rc)}")
-        rc = lib.seccomp_load(ctx)
-        if rc != 0:
-            raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
-        return [label for label, _, _ in rules]
-    finally:
-        lib.seccomp_release(ctx)

@@ -51,6 +51,7 @@ class Outcome:
     worker_code: Optional[int] = None      # launcher's exit status (128 + n: signal n)
     checker_code: Optional[int] = None
     memory_limit_hit: bool = False         # the check's memory cgroup hit its limit (memcg.py)
+    launcher_killed: bool = False          # a signal ended the launcher before the harness stopped it
     cleanup_errors: list[str] = field(default_factory=list)   # processes that could not be killed
 
 
@@ -60,6 +61,9 @@ def classify(outcome: Outcome, nonce: str, limits: SandboxLimits, exec_time: flo
     worker's death, and finally the checker's own verdict."""
     if outcome.cleanup_errors:
         return ExecResult("error", exec_time, ("cleanup failed: " + "; ".join(outcome.cleanup_errors))[:1000])
+    if outcome.launcher_killed:     # its cleanup never ran: what the program started may have escaped
+        return ExecResult("error", exec_time, f"the sandbox's launcher was killed during the check "
+                                              f"(signal {-(outcome.worker_code or 0)})")
     verdict = outcome.verdict
     if verdict is not None and verdict.get("status") == "passed":
         if hmac.compare_digest(str(verdict.get("nonce")).encode(), nonce.encode()):
@@ -262,6 +266,8 @@ class CheckRun:
         What cannot be killed is logged and recorded in the outcome (the check cannot pass)."""
         if self._adopting is not None:
             self._adopting.join()       # NOTE: before any reaping, so the pids it moves are still ours
+        pidfd = self._fds.get("worker_pidfd")
+        ended_early = pidfd is not None and procs.wait_exit(pidfd, 0.0)   # before we told it to end
         lifeline = self._fds.pop("lifeline", None)
         if lifeline is not None:
             os.close(lifeline)          # the launcher ends the worker and exits
@@ -274,6 +280,8 @@ class CheckRun:
             self.outcome.checker_code = self._reap(self._checker, "checker_pidfd", 0.0)
         if self._worker is not None:
             self.outcome.worker_code = self._reap(self._worker, "worker_pidfd", _EXIT_GRACE_S)
+            # NOTE: the launcher exits with a status (the worker's); only a signal gives a negative one
+            self.outcome.launcher_killed = ended_early and (self.outcome.worker_code or 0) < 0
         if self.uid is not None:
             self._kill(procs.kill_uid, self.uid)
         if self._cgroup is not None:

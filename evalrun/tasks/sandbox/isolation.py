@@ -57,20 +57,31 @@ def pids_max(limits: SandboxLimits, level: str) -> int:
 
 def memory_bound(iso: Isolation, limits: SandboxLimits, why_not: str, report: dict) -> dict[str, Any]:
     """How a check's memory is bounded beyond RLIMIT_AS (isolation_info()["memory_bound"])."""
-    if report.get("seccomp_error"):
-        refused = f"NOT refused: no seccomp filter ({report['seccomp_error']})"
-    else:
-        refused = "memfd_create and shmget refused"
+    no_filter = f"NOT refused: no seccomp filter ({report['seccomp_error']})" if report.get("seccomp_error") else ""
+    sockets = no_filter or socket_bound(iso, report)
     if iso.cgroup is not None:
         return {"kind": f"cgroup v{iso.cgroup.version}", "limit_mb": limits.memory_mb + CGROUP_OVERHEAD_MB,
                 "pids_max": pids_max(limits, iso.level) if iso.cgroup.pids_dir and not iso.drops_uid else None,
                 "swap": "bounded" if iso.cgroup.swap_bounded() else "NOT bounded: pages can go to swap (swap is on "
                         "and the kernel does not account it per cgroup)",
-                "memfd_and_shm": "charged to the check's cgroup" + (
-                    "" if iso.level != "basic" else "; shmget refused (no IPC namespace: segments would outlive it)")}
+                "memfd_and_shm": "charged to the check's cgroup; memfd_secret refused" + (
+                    "" if iso.level != "basic" else "; shmget, msgget, semget and mq_open refused (no IPC namespace: "
+                                                    "the objects would outlive the check)"),
+                "socket_buffers": "socketpair buffers charged to the check's cgroup; " + sockets}
+    refused = no_filter or "memfd_create, memfd_secret, shmget, msgget, semget and mq_open refused"
     return {"kind": "seccomp", "limit_mb": None, "pids_max": None,
             "memfd_and_shm": refused + ("; /tmp and /dev/shm are size-capped tmpfs" if iso.level != "basic" else ""),
+            "socket_buffers": no_filter or "socketpair refused; " + sockets,
             "no_cgroup_because": why_not}
+
+
+def socket_bound(iso: Isolation, report: dict) -> str:
+    """Why no other socket can hold buffers: the families the filter refuses, and the loopback."""
+    if iso.level == "basic":
+        return "socket() refused for every family (no network namespace)"
+    reach = "its loopback is UP: TCP/UDP buffers over it are NOT bounded" if report.get("loopback_reachable") \
+        else "the network namespace's loopback is down: nothing to send over"
+    return f"socket() refused for every family but AF_INET and AF_INET6; {reach}"
 
 
 def launcher_argv(level: str, python: str, cfg: dict) -> list[str]:
@@ -193,7 +204,9 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
     namespaced = iso.level != "basic"
     notes = [f"not available: {f}" for f in failures]
     if not namespaced:
-        notes.append("network and file system are NOT isolated (no unshare)")
+        notes.append("the file system is NOT isolated (no unshare)" + (
+            "; nor is the network: no seccomp filter" if report.get("seccomp_error") else
+            "; the network is out of reach only because the seccomp filter refuses socket() for every family"))
     memory = memory_bound(iso, limits, cgroup_why_not, report)
     if not namespaced:
         notes.append("files the worker writes in the host's /tmp and /dev/shm outlive the check"
@@ -204,7 +217,8 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
                          "a fork bomb is bounded only by the timeout")
     elif not iso.drops_uid:
         notes.append("the worker keeps the caller's uid: RLIMIT_NPROC counts all of the caller's processes"
-                     + ("" if namespaced else "; it can signal and ptrace the caller's processes"))
+                     + ("" if namespaced else "; it can signal the caller's processes (its launcher excepted: the "
+                        "seccomp filter refuses that) and ptrace the dumpable ones"))
     if report.get("kept_dac_read_search"):
         notes.append("the interpreter is unreachable for the sandbox uid: the worker keeps "
                      "CAP_DAC_READ_SEARCH (it can read any file)")
@@ -212,8 +226,12 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
         notes.append(f"could not make read-only: {', '.join(report['ro_failed'])}")
     if report.get("seccomp_error"):
         notes.append(f"no seccomp filter ({report['seccomp_error']}): the worker can create Unix, netlink and "
-                     "vsock sockets (a host's Unix sockets are reachable) and use the kernel keyrings")
-    return {"level": iso.level, "network_isolated": namespaced and set(report["interfaces"]) <= {"lo"},
+                     "vsock sockets (a host's Unix sockets are reachable), use the kernel keyrings, make user "
+                     "namespaces" + ("" if namespaced else ", kill its launcher (what it starts can outlive the "
+                                                           "check) and make IPC objects that outlive the check"))
+    no_sockets = not namespaced and not report.get("seccomp_error")      # socket() refused for every family
+    return {"level": iso.level,
+            "network_isolated": (namespaced and set(report["interfaces"]) <= {"lo"}) or no_sockets,
             "pid_namespace": bool(report.get("pid_namespace")), "readonly_fs": bool(report["root_readonly"]),
             "uid_dropped": uid is not None and report["uid"] == uid, "capabilities_dropped": report["cap_eff"] == 0,
             "exposed_paths": report.get("exposed", []), "rebound_paths": report.get("rebound", []),

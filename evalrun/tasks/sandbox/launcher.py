@@ -3,11 +3,14 @@
     parent --(unshare ...)--> launcher  (PID 1 of the new PID namespace at the namespace levels)
         launcher: private read-only mounts, tmpfs /tmp and /dev/shm (the interpreter's own
                   directories bound back read-only if they hid it), work dir
-        launcher --fork--> worker: rlimits, drop uid/capabilities, no_new_privs, chdir, run program
+        launcher --fork--> worker: own session, rlimits, drop uid/capabilities, no_new_privs,
+                  seccomp filter (seccomp.py), chdir, run program
         launcher waits for: the worker's exit | EOF on the lifeline pipe (parent done or dead) | deadline
         then kills what is left and exits with the worker's status (128 + signal if signalled).
 
-The launcher never runs untrusted code, so its own state (PID 1, subreaper, lifeline) holds.
+The launcher never runs untrusted code, so its own state (PID 1, subreaper, lifeline) holds; it is
+non-dumpable, and where the worker has its uid and no PID namespace protects it (the basic level
+without root) the worker's filter refuses every way to signal it (seccomp.launcher_rules).
 Config arrives as JSON in argv[1]; at mode "run" the job ({"program", "entry_point"}) on stdin.
 In mode "probe" the worker prints what the confinement achieved instead of running a job.
 NOTE: runs as text inside the sandbox child (see sources.py): standard library and
@@ -22,7 +25,7 @@ import select
 import signal
 import sys
 
-from evalrun.tasks.sandbox import confine
+from evalrun.tasks.sandbox import confine, seccomp
 from evalrun.tasks.sandbox.codec import error_line, write_frame
 from evalrun.tasks.sandbox.worker import worker_main
 
@@ -127,8 +130,12 @@ def prepare_mounts(cfg: dict, report: dict) -> None:
         os.chown(cfg["workdir"], cfg["uid"], cfg["uid"])
 
 
-def confine_worker(cfg: dict, report: dict) -> None:
-    """In the forked worker, before untrusted code: limits, identity, capabilities."""
+def confine_worker(cfg: dict, report: dict, launcher: int) -> None:
+    """In the forked worker, before untrusted code: its own session (so that kill(0) and killpg
+    reach only what it starts), limits, identity, capabilities, the seccomp filter (seccomp.py),
+    protecting `launcher` where the worker keeps the harness's uid."""
+    confine.prctl(confine.PR_SET_DUMPABLE, 1)    # NOTE: inherited non-dumpable from the launcher
+    os.setsid()
     set_oom_score_adj(1000)             # the first a memory cgroup's (or the host's) OOM killer ends
     lim = cfg["limits"]
     confine.set_rlimits(lim["cpu_s"], lim["memory_mb"], lim["file_size_mb"], lim["max_processes"])
@@ -142,8 +149,10 @@ def confine_worker(cfg: dict, report: dict) -> None:
     elif privileged:
         confine.set_capabilities(0)
     confine.prctl(confine.PR_SET_NO_NEW_PRIVS, 1)
+    same_uid = cfg["level"] == "basic" and cfg["uid"] is None     # no PID namespace and no uid of its own
+    rules = seccomp.worker_rules(cfg["level"], bool(report.get("cgroup_joined")), launcher if same_uid else None)
     try:
-        report["seccomp_denied"] = confine.deny_syscalls(extra_denials(cfg, report))
+        report["seccomp_denied"] = seccomp.load(rules)
     except OSError as exc:
         report["seccomp_denied"], report["seccomp_error"] = [], str(exc)
     confine.prctl(confine.PR_SET_DUMPABLE, 1)    # NOTE: setuid cleared it; /proc/self needs it
@@ -151,14 +160,6 @@ def confine_worker(cfg: dict, report: dict) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-
-
-def extra_denials(cfg: dict, report: dict) -> list[str]:
-    """What the seccomp filter also refuses here: memory no cgroup would bound (memfd_create, and
-    SysV shared memory, whose segments would also outlive the check without an IPC namespace)."""
-    unbounded = not report.get("cgroup_joined")
-    return (["memfd_create"] if unbounded else []) + \
-        (["shmget"] if unbounded or cfg["level"] not in NAMESPACE_LEVELS else [])
 
 
 def set_oom_score_adj(value: int) -> bool:
@@ -228,16 +229,29 @@ def probe_report(cfg: dict, report: dict) -> dict:
     with open("/proc/self/status") as f:
         cap_eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
     return {**report, "ok": True, "uid": os.getuid(), "euid": os.geteuid(), "cap_eff": cap_eff,
+            "loopback_reachable": loopback_reachable(),
             "root_readonly": bool(os.statvfs("/").f_flag & os.ST_RDONLY),
             "workdir_writable": os.access(cfg["workdir"], os.W_OK),
             "interfaces": interfaces, "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0]}
 
 
-def run_worker(cfg: dict, job: dict, report: dict) -> None:
+def loopback_reachable() -> bool:
+    """Whether a UDP socket of this process can send to 127.0.0.1 (no: the network namespace's
+    loopback is down, or the filter refuses the socket), so socket buffers can fill over it."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("127.0.0.1", 9))
+            return True
+    except OSError:
+        return False
+
+
+def run_worker(cfg: dict, job: dict, report: dict, launcher: int) -> None:
     """The forked child: confine, then probe or serve. Never returns."""
     try:
         os.close(cfg["fd_lifeline"])
-        confine_worker(cfg, report)
+        confine_worker(cfg, report, launcher)
     except Exception as exc:
         fail(cfg, f"sandbox setup failed: {error_line(exc)}")
     if cfg["mode"] == "probe":
@@ -340,8 +354,12 @@ def main() -> None:
             prepare_mounts(cfg, report)
     except Exception as exc:
         fail(cfg, f"sandbox setup failed: {error_line(exc)}")
+    # Non-dumpable: no process of its uid (the worker's, at the basic level without root) may
+    # ptrace it or open its /proc files; the seccomp filter closes the other ways to end it.
+    confine.prctl(confine.PR_SET_DUMPABLE, 0)
+    launcher = os.getpid()
     pid = os.fork()
     if pid == 0:
-        run_worker(cfg, job, report)
+        run_worker(cfg, job, report, launcher)
     else:
         supervise(pid, cfg)

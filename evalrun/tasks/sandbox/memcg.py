@@ -18,8 +18,8 @@ its memory; the kernel's OOM killer ends the check's processes when the limit is
 The harness makes a check's directories before it starts the launcher and removes them after;
 the launcher (trusted) joins them first thing by writing 0 to each `cgroup.procs`, so the worker
 it forks, and everything the worker starts, is inside. Where no cgroup can be made (not root, no
-delegation) `find_root` says why, and the sandbox falls back to refusing memfd_create and SysV
-shared memory (tmpfs mounts are size-capped at the namespace levels).
+delegation) `find_root` says why, and the sandbox falls back to refusing memfd_create, socketpair
+and the SysV and POSIX IPC objects (seccomp.py; tmpfs mounts are size-capped at the namespace levels).
 """
 from __future__ import annotations
 

@@ -41,8 +41,9 @@ class Sandbox:
     (a forced level that does not work raises IsolationUnavailable). When root, each of the
     `workers` slots runs as its own uid from `base_uid` up (skipping uids that another
     Sandbox holds). memory_cgroup: "auto" gives each check a memory and pids cgroup where one can
-    be made (memcg.py); "off" never does, and the worker's seccomp filter refuses memfd_create and
-    shmget instead (the fallback of machines without cgroups). hidden_paths: files and directories a
+    be made (memcg.py); "off" never does, and the worker's seccomp filter refuses memfd_create,
+    socketpair and the IPC objects instead (the fallback of machines without cgroups; seccomp.py says
+    what it refuses at each level). hidden_paths: files and directories a
     program must not read (the problems' data and tests); at the namespace levels each is covered in
     the worker's mount namespace (a file by /dev/null, a directory by an empty read-only tmpfs); the
     basic level has no file system isolation, and isolation_info() says they stay readable there."""

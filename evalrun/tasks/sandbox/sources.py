@@ -16,7 +16,7 @@ from pathlib import Path
 
 PYTHON_FLAGS = ("-I", "-S")
 _HERE = Path(__file__).resolve().parent
-_LAUNCHER_MODULES = ("codec", "confine", "worker", "launcher")
+_LAUNCHER_MODULES = ("codec", "confine", "seccomp", "worker", "launcher")
 _CHECKER_MODULES = ("codec", "confine", "checker")
 
 _BOOT = """\
