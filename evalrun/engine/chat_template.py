@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import jinja2.exceptions
+
+from .model_files import check_model_file, read_model_file
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
@@ -122,9 +123,11 @@ class ChatTemplates:
     def load(self, name: str) -> ChatTemplate:
         """Read (and check) the template `name`, one of names()."""
         entry = self.entries[name]
-        if entry.check_file:
-            real = check_template_file(self.model_dir, entry.path)
-            source = entry.inline if entry.inline is not None else _read_bounded(real, entry.path)
+        if entry.check_file and entry.inline is not None:
+            check_template_file(self.model_dir, entry.path)       # the JSON file it came from
+            source = entry.inline
+        elif entry.check_file:
+            source = _read_template(self.model_dir, entry.path)
         else:
             source = entry.inline
         if not isinstance(source, str):
@@ -167,42 +170,12 @@ def _config_entries(path: Path, value: Any) -> dict[str, _Entry]:
 def check_template_file(model_dir: Path, path: Path) -> Path:
     """The real path of template file `path` in `model_dir`; ChatTemplateError naming it when it is a
     symbolic link or lies outside the directory (a hub-cache snapshot's link into its repo's blobs/
-    excepted) or is not a regular file."""
-    try:
-        base, real = Path(model_dir).resolve(), path.resolve()
-    except (OSError, RuntimeError) as exc:        # a link loop
-        raise ChatTemplateError(f"chat template {path}: refused: cannot be resolved ({one_line(str(exc))})") from None
-    blobs = _hub_blobs(base)
-    if blobs is not None and path.is_symlink() and real.is_relative_to(blobs):
-        pass                            # the hub cache's own layout: snapshot file -> ../../blobs/<hash>
-    elif path.is_symlink():
-        raise ChatTemplateError(f"chat template {path}: refused: it is a symbolic link (to {os.readlink(path)}); "
-                                "a template file must be a regular file inside the model directory")
-    elif not real.is_relative_to(base):
-        raise ChatTemplateError(f"chat template {path}: refused: it resolves to {real}, outside the model "
-                                f"directory {base}")
-    if not real.is_file():
-        raise ChatTemplateError(f"chat template {path}: refused: not a regular file")
-    return real
+    excepted) or is not a regular file: the rule every file of a model is read by (engine/model_files.py)."""
+    return check_model_file(model_dir, path, ChatTemplateError, "chat template")
 
 
-def _hub_blobs(base: Path) -> Optional[Path]:
-    # .../models--ORG--NAME/snapshots/REV -> .../models--ORG--NAME/blobs
-    snapshots, repo = base.parent, base.parent.parent
-    if snapshots.name == "snapshots" and repo.name.startswith("models--"):
-        return repo / "blobs"
-    return None
-
-
-def _read_bounded(real: Path, path: Path) -> str:
-    # NOTE: O_NOFOLLOW on the resolved path and fstat after open: what is read is what was checked.
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ChatTemplateError(f"chat template {path}: refused: not a regular file")
-        data = f.read(MAX_TEMPLATE_BYTES + 1)
-    if len(data) > MAX_TEMPLATE_BYTES:
-        raise ChatTemplateError(f"chat template {path}: refused: larger than {MAX_TEMPLATE_BYTES} bytes")
+def _read_template(model_dir: Path, path: Path) -> str:
+    data = read_model_file(model_dir, path, ChatTemplateError, MAX_TEMPLATE_BYTES, "chat template")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

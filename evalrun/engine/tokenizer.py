@@ -16,7 +16,7 @@ flips it under a lock and always restores it.
 
 from __future__ import annotations
 
-import json
+import os
 import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -27,10 +27,12 @@ from evalrun.engine.chat_template import (ChatTemplate, ChatTemplateError, ChatT
                                           finish_continuation, prepare_chat)
 from evalrun.engine.gguf import is_gguf
 from evalrun.engine.gguf_tokenizer import read_gguf_tokenizer
+from evalrun.engine.model_files import read_json_object, read_model_file
 from evalrun.engine.streaming import StreamingDecoder
 from evalrun.engine.template_renderer import RenderLimits, TemplateRenderer
 
 TOKENIZER_FILE = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 64 << 20     # the largest released tokenizer.json known is ~33 MB (Gemma 3)
 
 
 class TokenizerError(ValueError):
@@ -38,12 +40,23 @@ class TokenizerError(ValueError):
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+def _read_json(model_dir: Path, name: str) -> dict[str, Any]:
+    """The JSON object in the model's file `name` ({} without one), read as engine/model_files.py reads
+    a model's files: a link out of the directory, a non-file, malformed JSON or a non-object is a
+    TokenizerError naming it."""
+    path = model_dir / name
+    if not os.path.lexists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
+    return read_json_object(model_dir, path, TokenizerError)
+
+
+def _read_tokenizer_json(model_dir: Path, path: Path) -> tokenizers.Tokenizer:
+    data = read_model_file(model_dir, path, TokenizerError, MAX_TOKENIZER_BYTES)
+    try:
+        return tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+        raise TokenizerError(f"{path}: not a readable Hugging Face tokenizer file "
+                             f"({' '.join(str(exc).split())[:300]})") from None
 
 
 def _token_content(value: Any) -> Optional[str]:
@@ -96,7 +109,9 @@ class Tokenizer:
         metadata (engine/gguf_tokenizer.py: the ids transformers' GGUF tokenizer gives).
         `render_limits` bound each chat-template render (engine/template_renderer.py).
 
-        Raises FileNotFoundError naming the directory if tokenizer.json is missing.
+        Raises FileNotFoundError naming the directory if tokenizer.json is missing; TokenizerError naming
+        a file that is refused (a link out of the directory, not a regular file: engine/model_files.py),
+        malformed, or JSON that is not an object.
         """
         model_dir = Path(model_dir)
         if is_gguf(model_dir):         # a llama.cpp file: the tokenizer its metadata describes
@@ -104,18 +119,15 @@ class Tokenizer:
             return cls(parts.backend, model_dir, parts.special_tokens, parts.bos_token_id, parts.eos_token_ids,
                        ChatTemplates.from_source(parts.chat_template, model_dir), render_limits)
         path = model_dir / TOKENIZER_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(
                 f"no {TOKENIZER_FILE} in model directory {str(model_dir)!r}: "
                 f"expected a Hugging Face tokenizer file at {str(path)!r}"
             )
-        try:
-            hf = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
-            raise TokenizerError(f"{path}: not a readable Hugging Face tokenizer file ({exc})") from None
-        tok_config = _read_json(model_dir / "tokenizer_config.json")
-        model_config = _read_json(model_dir / "config.json")
-        gen_config = _read_json(model_dir / "generation_config.json")
+        hf = _read_tokenizer_json(model_dir, path)
+        tok_config = _read_json(model_dir, "tokenizer_config.json")
+        model_config = _read_json(model_dir, "config.json")
+        gen_config = _read_json(model_dir, "generation_config.json")
         special_tokens = {
             key: content
             for key in _SPECIAL_TOKEN_KEYS
