@@ -21,11 +21,14 @@ configuration class of that architecture gives it (ARCH_DEFAULTS), not a generic
 """
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from .config_schema import ConfigError, check_config, check_shapes
+from .model_files import read_json_object
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM")
@@ -78,10 +81,6 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-class ConfigError(ValueError):
-    """A model directory whose config cannot be served by this engine."""
-
-
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -104,6 +103,9 @@ class RopeConfig:
             raise ConfigError(f"{self.rope_type} rope scaling needs original_max_position_embeddings")
         if self.rope_type == "longrope" and not self.short_factor:
             raise ConfigError("longrope rope scaling needs short_factor")
+        if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"llama3 rope scaling needs low_freq_factor ({self.low_freq_factor}) below "
+                              f"high_freq_factor ({self.high_freq_factor})")
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """The config of a config.json dict; ConfigError (one line naming the field) for a field of the
+        wrong type or range (engine/config_schema.py, checked before anything is derived from it) or
+        for a model evalrun does not run."""
+        check_config(raw)
         arch = _architecture(raw)
         raw = {**ARCH_DEFAULTS.get(arch, {}), **raw}         # a key set to null stays null
+        check_shapes(raw)
         gemma = arch in GEMMAS
         act = (raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh") if gemma \
             else raw.get("hidden_act", "silu")
@@ -230,16 +237,18 @@ class ModelConfig:
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ModelConfig":
+        """from_dict of the directory's config.json, read as engine/model_files.py reads a model's
+        files (a link out of the directory, a non-file, a non-object or malformed JSON: ConfigError)."""
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        raw = read_json_object(Path(model_dir), path, ConfigError)
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+            return cls.from_dict(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
 
 def _req(raw: dict[str, Any], key: str) -> Any:
@@ -345,6 +354,8 @@ def _longrope_attention(raw: dict[str, Any], params: dict[str, Any]) -> float:
     original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
     if not original:
         return 1.0
+    if original < 2:
+        raise ConfigError(f"longrope rope scaling needs original_max_position_embeddings >= 2, got {original}")
     factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 

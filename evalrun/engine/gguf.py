@@ -19,6 +19,7 @@ Needs the `gguf` package (an optional dependency, imported where used).
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import numpy as np
 import torch
 
 from .config import ConfigError, ModelConfig
+from .config_schema import FIELDS, Field, check_field
+from .model_files import check_model_file
 from .weights import WeightsError
 
 GGUF_SUFFIX = ".gguf"
@@ -43,6 +46,13 @@ CONFIG_KEYS = {
     "expert_count": "num_local_experts",           # a Mixtral is a `llama` file with experts: refused by config.py
 }
 REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+# `{arch}.KEY` -> the schema its value must fit (engine/config_schema.py), besides CONFIG_KEYS' fields
+METADATA_FIELDS = {
+    "attention.key_length": FIELDS["head_dim"], "attention.value_length": FIELDS["head_dim"],
+    "rope.dimension_count": FIELDS["head_dim"], "rope.scaling.type": Field("str"),
+    "rope.scaling.factor": Field("number", 0, None, above_low=True),
+    "rope.scale_linear": Field("number", 0, None, above_low=True),
+}
 # GGUF tensor names (without `.weight`/`.bias`) -> the HF names the engine reads
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_TENSORS = {
@@ -114,6 +124,7 @@ class GGUFFile:
         missing = [f"{arch}.{k}" for k in REQUIRED_KEYS if f"{arch}.{k}" not in self.metadata]
         if missing:
             raise GGUFError(f"{self.path}: GGUF metadata lacks {', '.join(missing)}")
+        self._check_metadata(arch)
         raw: dict[str, Any] = {"architectures": [ARCHITECTURES[arch]], "model_type": arch}
         raw.update({field: self.metadata[f"{arch}.{key}"] for key, field in CONFIG_KEYS.items()
                     if f"{arch}.{key}" in self.metadata})
@@ -138,6 +149,20 @@ class GGUFFile:
         except ConfigError as exc:
             message = str(exc).replace("config.json ", "the GGUF metadata ")
             raise ConfigError(message if str(self.path) in message else f"{self.path}: {message}") from None
+
+    def _check_metadata(self, arch: str) -> None:
+        """ConfigError naming the metadata key whose value is of the wrong type or range (the schema of
+        the config.json field it stands for), before anything is computed from it."""
+        specs = {**{key: FIELDS[field] for key, field in CONFIG_KEYS.items() if field in FIELDS}, **METADATA_FIELDS}
+        for key, spec in specs.items():
+            value = self.metadata.get(f"{arch}.{key}")
+            per_layer = key == "attention.head_count_kv" and isinstance(value, list) and value
+            for item in value if per_layer else [value]:        # head_count_kv may be one per layer
+                if item is not None:
+                    check_field(key, item, f"{self.path}: GGUF metadata {arch}.{key}", spec)
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            if self.metadata.get(key) is not None:
+                check_field("bos_token_id", self.metadata[key], f"{self.path}: GGUF metadata {key}")
 
     def _one_kv_head_count(self, value: Any) -> Any:
         """head_count_kv may be a per-layer array: one count is all the engine runs."""
@@ -200,24 +225,23 @@ def open_gguf(path: "str | Path") -> GGUFFile:
     """Open a GGUF file (its header and tensor index; no tensor is read). FileNotFoundError if it is
     missing, GGUFError if it is not a GGUF file or is truncated."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
+    real = check_gguf_file(path)
     try:
         from gguf import GGUFReader
         from gguf.constants import GGUFValueType
     except ImportError as exc:
         raise GGUFError(f"reading {path} needs the gguf package ({exc}): pip install 'evalrun[demo]'") from None
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
         if f.read(4) != b"GGUF":
             raise GGUFError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = GGUFReader(path)
+        reader = GGUFReader(real)
     except Exception as exc:  # noqa: BLE001 - a damaged file fails the reader in many ways (ValueError, IndexError ...)
         raise GGUFError(f"{path}: a damaged GGUF file, probably truncated ({type(exc).__name__}: {exc}): copy or "
                         "download it again") from None
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > path.stat().st_size:
-        raise GGUFError(f"{path}: truncated ({path.stat().st_size} bytes, its tensors end at byte {end}): "
+    if end > real.stat().st_size:
+        raise GGUFError(f"{path}: truncated ({real.stat().st_size} bytes, its tensors end at byte {end}): "
                         "copy or download it again")
     metadata = {}
     for key, field in reader.fields.items():
@@ -225,6 +249,15 @@ def open_gguf(path: "str | Path") -> GGUFFile:
         long = is_array and (len(field.data) > _BIG_ARRAY or key in _VOCABULARY)    # ... and the vocabulary
         metadata[key] = len(field.data) if long else field.contents()
     return GGUFFile(path, metadata, {t.name: t for t in reader.tensors})
+
+
+def check_gguf_file(path: Path) -> Path:
+    """The real path of the GGUF file `path`, checked as every model file is (engine/model_files.py,
+    the file's folder as its model directory): FileNotFoundError if it is missing, GGUFError if it is
+    a link (a hub-cache snapshot's link into its blobs/ excepted) or not a regular file."""
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return check_model_file(path.parent, path, GGUFError, "GGUF file")
 
 
 def load_gguf(path: "str | Path", dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, "GGUFWeights"]:
@@ -319,6 +352,8 @@ def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> Optional[dict[str, Any]
     L and high (a least-squares line through s = (L / w - 1) / (high - 1)); with fewer than two band
     points, high = 4 (every Llama 3) and L lies between the classes. The fit is checked by recomputing."""
     stored = dequantize(file, ROPE_FREQS).double().numpy()                          # [D/2]
+    if not (np.all(np.isfinite(stored)) and np.all(stored > 0)):
+        raise ConfigError(f"{file.path}: its {ROPE_FREQS} hold values that are not positive finite numbers")
     head_dim, theta = raw["head_dim"], float(raw.get("rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
@@ -334,7 +369,8 @@ def _llama3_rope(file: GGUFFile, raw: dict[str, Any]) -> Optional[dict[str, Any]
     else:
         high = 4.0
         ones, full = wavelen[stored <= 1 + 1e-6], wavelen[stored >= factor * (1 - 1e-6)]
-        lo, hi = (ones.max() * high if ones.size else 1.0), (full.min() if full.size else 2 * lo)
+        lo = ones.max() * high if ones.size else 1.0
+        hi = full.min() if full.size else 2 * lo
         s = (1 / stored[band] - 1 / factor) / (1 - 1 / factor)
         old_len = float((3 * s[0] + 1) * wavelen[band][0]) if band.any() else math.sqrt(lo * hi)
     rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(round(high, 6)),

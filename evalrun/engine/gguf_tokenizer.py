@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import tokenizers
 
-from .gguf import GGUFError
+from .gguf import GGUFError, check_gguf_file
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -30,15 +30,14 @@ class GGUFTokenizerParts:
 def read_gguf_tokenizer(path: "str | Path") -> GGUFTokenizerParts:
     """The tokenizer of the GGUF file at `path` (FileNotFoundError, GGUFError on a bad file)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
+    real = check_gguf_file(path)
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     except ImportError as exc:
         raise GGUFError(f"the tokenizer of {path} is built by transformers' GGUF converter "
                         f"(transformers >= 5.25: pip install 'evalrun[demo]'): {exc}") from None
     try:
-        architecture, vocab, config = get_gguf_tokenizer(str(path))
+        architecture, vocab, config = get_gguf_tokenizer(str(real))
         backend, _ = convert_gguf_tokenizer(architecture, vocab)
     except Exception as exc:  # noqa: BLE001 - a damaged file or an unknown vocabulary fails in many ways
         raise GGUFError(f"{path}: no tokenizer can be built from its metadata ({type(exc).__name__}: {exc})") from None
