@@ -33,6 +33,7 @@ from .rope import rope_inv_freq, rope_table
 from .weights import WeightReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROPE_ROWS = 4096       # rope table rows made at load (more as longer sequences come: Model.rope_rows)
 
 
 def plan_key(config: ModelConfig, fmt: KVFormat, page_size: int, device: "str | torch.device",
@@ -106,10 +107,15 @@ class Model:
         self.layers = layers
         self.final_norm = final_norm           # float32: the head runs in float32
         self.lm_head = lm_head                 # [V, H] head_dtype(): float32, or bf16 on the bf16 GEMM
-        # one (cos, sin) table [max_seq_len, D] per rope of the config: `rope`, then Gemma 3's local one
-        self.rope_tables = [tuple(t.to(device) for t in rope_table(rope_inv_freq(r, config.rope_dim), config.max_seq_len,
-                                                                   r.attention_factor))
+        # one (cos, sin) table [rows, D] per rope of the config: `rope`, then Gemma 3's local one; made
+        # for the first ROPE_ROWS positions and grown as longer sequences come (rope_rows), so a config's
+        # context (up to 2**24 positions) costs nothing until a sequence reaches it
+        self._rope_freqs = [(rope_inv_freq(r, config.rope_dim), r.attention_factor)
                             for r in (config.rope, config.local_rope) if r is not None]
+        self.rope_tables = self._make_rope_tables(min(config.max_seq_len, ROPE_ROWS))
+        # NOTE: on CUDA, tables replaced by larger ones are kept: a captured decode graph reads the
+        # table it was recorded with (the rows it reads are the same in the larger one)
+        self._replaced_rope_tables: list = []
         self._steps: "weakref.WeakKeyDictionary[PagedCache, DecodeStep]" = weakref.WeakKeyDictionary()
         # decode steps as CUDA graphs (evalrun/engine/cuda_graphs.py), per cache; graph_capture: how a
         # bucket is recorded (None: a real CUDA graph; tests set a stand-in)
@@ -152,6 +158,21 @@ class Model:
         model.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         return model
 
+    def _make_rope_tables(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(t.to(self.device) for t in rope_table(inv_freq, rows, scale))
+                for inv_freq, scale in self._rope_freqs]
+
+    def rope_rows(self, positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rope tables (cos, sin) [rows, D], grown to cover positions 0 .. positions - 1 (doubling,
+        at most max_seq_len rows). A row is the same in a table of any length (rope.rope_table)."""
+        rows = self.rope_tables[0][0].shape[0]
+        if positions > rows:
+            rows = min(self.config.max_seq_len, max(positions, 2 * rows))
+            if self.device.type == "cuda":
+                self._replaced_rope_tables.append(self.rope_tables)
+            self.rope_tables = self._make_rope_tables(rows)
+        return self.rope_tables
+
     def kernel_plan(self, fmt: KVFormat, page_size: int) -> KernelPlan:
         """The kernels this model runs over a cache of `fmt` and `page_size` (resolved once per key;
         PagedCache keeps it as `cache.kernels`)."""
@@ -174,7 +195,11 @@ class Model:
         they do not apply; rebuilt if the cache's pages were ever replaced."""
         graphs = self._graphs.get(cache, False)
         if graphs is False or (graphs is not None and not graphs.pages_match(cache)):
-            graphs = DecodeGraphs(self, cache, self.graph_capture) if cache.kernels.cuda_graphs else None
+            graphs = None
+            if cache.kernels.cuda_graphs:
+                # the rope rows a graph may read, made before any capture (a capture must not allocate them)
+                self.rope_rows(min(self.max_seq_len, cache.max_tokens))
+                graphs = DecodeGraphs(self, cache, self.graph_capture)
             self._graphs[cache] = graphs
         return graphs
 
@@ -188,7 +213,7 @@ class Model:
         if plan.stream_dtype is not None:                                 # the plan's residual stream
             x = x.to(plan.stream_dtype)
         ropes = [tuple(t.index_select(0, batch.positions).to(x.dtype) for t in table)   # [T, D] each
-                 for table in self.rope_tables]
+                 for table in self.rope_rows(batch.attn.max_seqlen_k)]
         step = self._decode_step(cache)
         if step is not None and step.applies(batch.attn, x.shape[0]):
             x = step.run(x, ropes, batch.slot_mapping, batch.attn)            # every layer, one native call
