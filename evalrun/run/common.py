@@ -2,12 +2,16 @@
 the manifest, JSON-clean summaries."""
 from __future__ import annotations
 
+import errno
 import math
 import os
+import resource
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+import torch
 
 from evalrun.demo import DEMO_MODEL_NAME, ensure_demo_model
 from evalrun.engine import DynamicGenerator, Model, PagedCache, Tokenizer
@@ -54,11 +58,57 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 
 def load_model(cfg: EngineConfig, model_dir: Path) -> tuple[Any, Any]:
+    """The model and its tokenizer; BadInput (one line) for a model evalrun cannot serve or one that
+    does not fit in memory. The compute threads are started first: a thread that cannot be created
+    later, when the memory is taken, ends the process inside the OpenMP runtime, not as an error."""
+    start_compute_threads()
     try:
         model = Model.load(model_dir, **cfg.load_settings())
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if not is_memory_failure(exc):
+            raise
+        raise BadInput(f"not enough memory to load the model {model_dir}{_limit_note()}: "
+                       f"{_short(exc)}") from None
     return model, Tokenizer.load(model_dir)
+
+
+def start_compute_threads() -> None:
+    """Start torch's intra-op (OpenMP) threads now: one small parallel op makes the whole team."""
+    torch.ones(1 << 20).add_(1)
+
+
+def is_memory_failure(exc: BaseException) -> bool:
+    """An allocation that failed: MemoryError, ENOMEM, or torch's and safetensors' RuntimeError for it."""
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("can't allocate memory", "Cannot allocate memory", "out of memory", "unable to mmap"))
+
+
+def address_space_left() -> Optional[int]:
+    """Bytes this process may still map under its RLIMIT_AS (None: no limit, or not known)."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return max(0, limit - used)
+
+
+def _limit_note() -> str:
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return "" if limit == resource.RLIM_INFINITY else f" (address-space limit RLIMIT_AS {limit / 2**30:.1f} GiB)"
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
@@ -75,6 +125,12 @@ def make_generator(cfg: EngineConfig, model: Any, tokenizer: Any) -> Any:
                                 num_draft_tokens=cfg.num_draft_tokens, use_ngram_draft=cfg.ngram_draft)
     except ValueError as exc:
         raise BadInput(str(exc)) from exc
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if not is_memory_failure(exc):
+            raise
+        raise BadInput(f"not enough memory for the KV cache{' or the draft model' if cfg.draft_model else ''}"
+                       f"{_limit_note()}: {_short(exc)}; lower --cache-tokens "
+                       "or --cache-memory") from None
 
 
 def engine_identity(cfg: EngineConfig, fp: dict) -> dict[str, Any]:
@@ -110,11 +166,15 @@ def cache_plan(cfg: EngineConfig, config: ModelConfig) -> dict[str, Any]:
     except ValueError as exc:
         raise BadInput(str(exc).replace("max_memory", "--cache-memory")) from exc
     memory, fmt = plan.memory_bytes, plan.format
-    ram = _physical_memory()
+    ram, left = _physical_memory(), address_space_left()
     if cfg.device == "cpu" and ram and memory > ram:
         raise BadInput(f"the KV cache would take {memory / 2**30:.1f} GiB ({plan.max_tokens} tokens in "
                        f"{fmt.name}), more than this machine's {ram / 2**30:.1f} GiB of memory: "
                        "lower --cache-tokens or --cache-memory")
+    if cfg.device == "cpu" and left is not None and memory > left:
+        raise BadInput(f"the KV cache would take {memory / 2**30:.1f} GiB ({plan.max_tokens} tokens in "
+                       f"{fmt.name}), more than the {left / 2**30:.1f} GiB this process may still map under its "
+                       "address-space limit (RLIMIT_AS): lower --cache-tokens or --cache-memory")
     return {"cache_tokens": plan.max_tokens, "cache_bytes_per_token": plan.bytes_per_token,
             "cache_memory_bytes": memory, "cache_format": fmt.describe(), "cache_window": fmt.window,
             "cache_window_jobs": plan.window_slots, "cache_window_bytes_per_job": plan.window_bytes_per_job}
