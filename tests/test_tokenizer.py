@@ -301,3 +301,11 @@ def test_streaming_sentencepiece_leading_spaces(tmp_path):
     assert "".join(tok.decode([i]) for i in ids) != tok.decode(ids)
     for end in range(1, len(ids) + 1):
         _check_stream(tok, ids[:end])
+
+
+def test_encode_many_equals_encode_one_at_a_time(smollm2_dir):
+    tok = Tokenizer.load(smollm2_dir)
+    texts = ["<|im_start|>user\nHi<|im_end|>\n", "plain text  with  spaces", "", "\n\nA", "é ü 漢字 🙂"]
+    for special in (True, False):
+        assert tok.encode_many_as_transformers(texts, special) == [tok.encode_as_transformers(t, special)
+                                                                   for t in texts]

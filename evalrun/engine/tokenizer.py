@@ -175,6 +175,15 @@ class Tokenizer:
             finally:
                 self._hf.encode_special_tokens = True
 
+    def encode_many_as_transformers(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode_as_transformers of each text, in one call (the tokenizer's threads share the work)."""
+        with self._lock:
+            self._hf.encode_special_tokens = False
+            try:
+                return [list(e.ids) for e in self._hf.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+            finally:
+                self._hf.encode_special_tokens = True
+
     def decode(self, ids: Sequence[int], decode_special_tokens: bool = False) -> str:
         """Text for `ids`; special tokens are skipped unless `decode_special_tokens`."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=not decode_special_tokens)

@@ -75,8 +75,10 @@ class Encoder:
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuations = context[:-spaces], [context[-spaces:] + c for c in continuations]
-        ctx = self.encode(context)
-        return ctx, [self.encode(context + c)[len(ctx):] for c in continuations]
+        special = not (self.prefix_text and context.startswith(self.prefix_text))     # encode()'s rule, for all
+        ctx, *wholes = self.tokenizer.encode_many_as_transformers([context] + [context + c for c in continuations],
+                                                                  special)
+        return ctx, [whole[len(ctx):] for whole in wholes]
 
     def rolling(self, text: str) -> list[tuple[list[int], list[int]]]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
