@@ -13,13 +13,17 @@ from a harness without root (setpriv), where the worker keeps the harness's uid.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from sandbox_helpers import (ATTACKER_UID, CORRECT_0, FAST, LEVELS, MARK, PROBLEM, he_spec, open_sandbox, processes_of,
-                             proc_table, right_only_if, run_as_user, wait_no_leftovers)
+from sandbox_helpers import (ATTACKER_UID, CORRECT_0, FAST, LEVELS, MARK, PROBLEM, REPO, he_spec, open_sandbox,
+                             processes_of, proc_table, right_only_if, run_as_user, wait_no_leftovers)
 
 from evalrun.tasks.sandbox import SandboxLimits
 from evalrun.tasks.sandbox.execute import Outcome, classify
@@ -261,3 +265,19 @@ def test_a_launcher_killed_from_outside_fails_the_check(problems):
     assert (result.status, result.error) == ("error", "the sandbox's launcher was killed during the check (signal 9)")
     if uids:
         assert wait_no_leftovers(uids) == []
+
+
+def test_basic_names_an_mqueue_mount_it_cannot_close(tmp_path):
+    """mq_open is refused, but a queue can also be made by open(2) in an mqueue mount (systemd mounts
+    one on /dev/mqueue), which the basic level shares with the host: isolation_info says so."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounts an mqueue file system in a private mount namespace: needs root and unshare")
+    point = tmp_path / "mqueue"
+    point.mkdir()
+    script = ("import json; from evalrun.tasks.sandbox import Sandbox\n"
+              "with Sandbox(isolation='basic', workers=1) as box: print(json.dumps(box.isolation_info()['notes']))")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", 'mount -t mqueue none "$1" && exec "$2" -c "$3"', "sh",
+                           str(point), sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert any(f"mqueue mount {point}" in note for note in notes), notes

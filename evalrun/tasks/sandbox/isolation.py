@@ -198,6 +198,15 @@ def detect(requested: str, python: str, limits: SandboxLimits, probe_uid: Option
     raise IsolationUnavailable("; ".join(failures))
 
 
+def mqueue_mounts() -> list[str]:
+    """Where an mqueue file system is mounted here (at the basic level the worker shares them)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return [line.split()[4] for line in f if line.split(" - ", 1)[-1].startswith("mqueue ")]
+    except OSError:
+        return []
+
+
 def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[int],
              failures: list[str], cgroup_why_not: str = "") -> dict[str, Any]:
     """isolation_info(): what the probe showed the worker gets (JSON-able)."""
@@ -211,6 +220,9 @@ def describe(iso: Isolation, report: dict, limits: SandboxLimits, uid: Optional[
     if not namespaced:
         notes.append("files the worker writes in the host's /tmp and /dev/shm outlive the check"
                      + ("" if iso.cgroup else "; with no memory cgroup they are bounded only per file (RLIMIT_FSIZE)"))
+        for point in mqueue_mounts():
+            notes.append(f"POSIX message queues can still be made by open(2) in the host's mqueue mount {point} "
+                         "(mq_open is refused): they outlive the check (RLIMIT_MSGQUEUE bounds them per user)")
     if not iso.drops_uid and os.geteuid() == 0:
         if memory["pids_max"] is None:
             notes.append("the worker runs as (k)uid 0, for which the kernel does not enforce RLIMIT_NPROC: "
