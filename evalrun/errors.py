@@ -45,3 +45,15 @@ def as_bad_input(exc: BaseException) -> Optional[BadInput]:
     if isinstance(exc, OSError) and exc.errno in _WRITE_HINTS and exc.filename:    # a file the user can act on
         return BadInput(f"{exc.filename}: {exc.strerror or os.strerror(exc.errno)}; {_WRITE_HINTS[exc.errno]}")
     return None
+
+
+def as_out_of_memory(exc: BaseException) -> Optional[RunFailed]:
+    """A memory failure while running (the model and cache were loaded: those map to BadInput where
+    they happen), as one line: the rows stored before it are kept and a rerun resumes from them."""
+    nomem = isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM) or (
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "DefaultCPUAllocator" in str(exc)))
+    if not nomem:
+        return None
+    first = (str(exc).splitlines() or [""])[0]
+    return RunFailed(f"out of memory while running ({type(exc).__name__}: {first}); the rows stored before it are "
+                     "kept: run the same command again, with a smaller --max-batch-size or --cache-memory")

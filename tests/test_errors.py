@@ -319,3 +319,32 @@ def test_index_naming_a_missing_shard(tiny_model_factory) -> None:
 def test_cuda_device_without_cuda(small_dir: Path) -> None:
     with pytest.raises(ValueError, match="device 'cuda' requested but CUDA is not available"):
         Model.load(small_dir, dtype="float32", device="cuda")
+
+
+
+def test_running_out_of_memory_mid_run_is_one_line_and_keeps_the_rows(tiny_model_dir: Path, tmp_path: Path,
+                                                                      monkeypatch, capsys) -> None:
+    """A memory failure after the model loaded (issue 43): exit 1, one line, the rows scored before it kept,
+    and the same command resumes."""
+    from evalrun.commands.cli import main
+    from evalrun.results import read_samples
+    from evalrun.tasks.mmlu import MMLUTask
+
+    fixture = Path(__file__).resolve().parent / "data" / "mmlu"
+    argv = ["mmlu", "--no-progress", "--model", str(tiny_model_dir), "--data-dir", str(fixture), "--subjects",
+            "nutrition", "--limit", "6", "--dtype", "float32", "--flush-rows", "1", "--output-dir", str(tmp_path / "r")]
+    real, seen = MMLUTask.score, []
+
+    def score(self, plan, answers):
+        seen.append(plan.doc_key)
+        if len(seen) == 4:
+            raise MemoryError("Cannot allocate memory")
+        return real(self, plan, answers)
+    monkeypatch.setattr(MMLUTask, "score", score)
+    capsys.readouterr()
+    assert main(argv) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "out of memory while running (MemoryError" in errors[0]
+    monkeypatch.setattr(MMLUTask, "score", real)
+    assert main(argv) == 0
+    assert len(read_samples(tmp_path / "r")) == 6

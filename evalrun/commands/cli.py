@@ -18,7 +18,7 @@ from evalrun.commands.show import run_show
 from evalrun.commands.suite import run_suite
 from evalrun.commands.sweep import run_sweep
 from evalrun.commands.task import prepare
-from evalrun.errors import BadInput, RunFailed, as_bad_input
+from evalrun.errors import BadInput, RunFailed, as_bad_input, as_out_of_memory
 from evalrun.results.text import terminal_safe
 from evalrun.run.config import RunConfig
 from evalrun.scale.execute import execute
@@ -85,7 +85,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[s
     except Exception as exc:  # noqa: BLE001 - bad input becomes a message, the rest re-raises
         bad = exc if isinstance(exc, BadInput) else as_bad_input(exc)
         if bad is None:
-            raise
+            oom = as_out_of_memory(exc)
+            if oom is None:
+                raise
+            print(f"evalrun {args.command}: error: {terminal_safe(oom, one_line=True)}", file=sys.stderr)
+            return EXIT_RUN_FAILED
         print(f"evalrun {args.command}: error: {terminal_safe(bad, one_line=True)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
