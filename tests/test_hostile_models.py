@@ -158,14 +158,29 @@ VARIANTS: dict[str, tuple[Callable[[Path], None], str, tuple[str, ...]]] = {
 
 
 # --- running the CLI under the acceptance bounds ---------------------------------------------------
+# NOTE: a child's ru_maxrss starts from its parent's RSS at fork (exec records the forked copy's
+# high-water mark), and pytest grows to GBs over the suite: so the command runs under this small
+# launcher, which reports the command's own peak (os.wait4) on its stdout and exits as it did.
+MEASURE = """
+import os, signal, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(proc.pid, 0)
+print(usage.ru_maxrss, flush=True)
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+os._exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_bounded(args: list[str], deadline: float = DEADLINE_S, preexec=None,
                 evalrun: bool = True) -> tuple[int, str, float, int]:
     """(exit status, stderr, seconds, peak RSS in bytes) of `python -m evalrun ARGS` (evalrun=False:
     `python ARGS`); SIGKILLed (its whole session) at the deadline: then the status is -9."""
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
         start = time.monotonic()
-        command = [sys.executable, *(["-m", "evalrun"] if evalrun else []), *args]
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+        command = [sys.executable, "-c", MEASURE, sys.executable, *(["-m", "evalrun"] if evalrun else []), *args]
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out,
                                 stderr=err, start_new_session=True, preexec_fn=preexec)
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -179,7 +194,10 @@ def run_bounded(args: list[str], deadline: float = DEADLINE_S, preexec=None,
         proc.returncode = os.waitstatus_to_exitcode(status)      # reaped here, not by Popen
         seconds = time.monotonic() - start
         err.seek(0)
-        return proc.returncode, err.read().decode(errors="replace"), seconds, usage.ru_maxrss * 1024
+        out.seek(0)
+        reported = out.read().decode().split()
+        peak = int(reported[-1]) if reported else usage.ru_maxrss       # killed at the deadline: the launcher's
+        return proc.returncode, err.read().decode(errors="replace"), seconds, peak * 1024
 
 
 def _mmlu_args(model: Path, out: Path, *extra: str) -> list[str]:

@@ -158,7 +158,8 @@ class MMLUTask:
                 info = {**base, "num_fewshot_used": k, "prompt_hash": prompt_hash(ids)}
                 if chat_encode is not None:
                     self._doc_choices[key] = choice_ids
-                return DocPlan(key, _requests(key, ids, choice_ids), info, prompt=text, chat=chat)
+                return DocPlan(key, _requests(key, ids, choice_ids, chat_encode is not None), info, prompt=text,
+                               chat=chat)
         return DocPlan(key, info={**base, "num_fewshot_used": 0},
                        skip_reason=f"prompt does not fit in {max_seq_len} tokens (model context or cache) even 0-shot")
 
@@ -211,10 +212,11 @@ def _shared(choice_ids: list[list[int]]) -> list[int]:
     return choice_ids[0][:k]
 
 
-def _requests(key: tuple, ids: list[int], choice_ids: list[list[int]]) -> list[Request]:
-    """One job for the next-token logits after the prompt and the choices' shared first tokens (those
-    scored in its prefill: Request.score_from); extra jobs only for multi-token choice endings."""
-    shared = _shared(choice_ids)
+def _requests(key: tuple, ids: list[int], choice_ids: list[list[int]], share: bool = False) -> list[Request]:
+    """One job for the next-token logits after the prompt (with `share`, a chat prompt: and after the
+    choices' shared first tokens, scored in its prefill: Request.score_from); extra jobs only for
+    multi-token choice endings. Plain prompts keep their requests as they always were."""
+    shared = _shared(choice_ids) if share else []
     prefixes = [tuple(ids) + tuple(shared)]
     for c in choice_ids:
         for j in range(len(shared) + 1, len(c)):
@@ -230,7 +232,7 @@ def choice_logprobs(base: tuple[int, ...], choice_ids: list[list[int]], answers:
     prefill scored)."""
     logprobs = {a.request.input_ids: torch.log_softmax(a.logits[0].float(), dim=-1) for a in answers}
     first = next(a for a in answers if a.request.input_ids == base)
-    n_shared = len(_shared(choice_ids))
+    n_shared = 0 if first.request.score_from is None else len(base) - first.request.score_from
     out = []
     for choice in choice_ids:
         prefix, total = base, sum(first.prompt_logprobs or [])
