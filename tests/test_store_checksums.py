@@ -13,7 +13,7 @@ import pytest
 from evalrun.results import RunStore, read_manifest, read_samples, samples_file_intact
 from evalrun.results.checksums import load_index, sha256_file
 from evalrun.results.schema import CHECKSUMS_FILE, QUARANTINE_PREFIX, SAMPLES_DIR, SAMPLES_FILE
-from evalrun.results.store import _collect
+from evalrun.results.samples_read import _collect
 
 KEYS = ["subject", "qid"]
 MANIFEST = {"identity": {"task": "mmlu", "model_fingerprint": "m", "tokenizer_fingerprint": "t"}}

@@ -7,7 +7,8 @@ from evalrun.results.errors import NotARunDirError, ResumeMismatchError, RunDirB
 from evalrun.results.manifest import environment_info, fingerprint_model_dir, read_manifest, throughput
 from evalrun.results.schema import SCHEMA_VERSION, Manifest, ModelFingerprint, Throughput
 from evalrun.results.prompts import read_prompt_messages, read_prompts, write_prompts
-from evalrun.results.store import RunStore, check_resumable, inspect_run, read_samples, samples_file_intact, stored_keys
+from evalrun.results.samples_read import read_samples, samples_file_intact, stored_keys
+from evalrun.results.store import RunStore, check_resumable, inspect_run
 from evalrun.results.summary import write_summary
 
 __all__ = [

@@ -19,7 +19,8 @@ from evalrun.results.errors import NotARunDirError, RunDirBusyError, RunReadErro
 from evalrun.results.links import RunDirLinkError
 from evalrun.results.parts import list_parts, merge_tables, read_part
 from evalrun.results.schema import MANIFEST_FILE, SAMPLES_DIR, SAMPLES_FILE
-from evalrun.results.store import inspect_run, read_samples_file
+from evalrun.results.samples_read import read_samples_file
+from evalrun.results.store import inspect_run
 
 
 @dataclass(frozen=True)
