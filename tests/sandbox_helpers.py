@@ -17,6 +17,7 @@ import pytest
 from evalrun.tasks.sandbox import CheckSpec, Sandbox, SandboxLimits
 from evalrun.tasks.sandbox import confine
 from evalrun.tasks.sandbox.isolation import IsolationUnavailable
+from evalrun.tasks.sandbox.memcg import find_root
 
 REPO = Path(__file__).resolve().parents[1]
 LEVELS = ("namespaces", "userns", "basic")
@@ -53,6 +54,16 @@ def open_sandbox(level: str, **kwargs) -> Sandbox:
         return Sandbox(isolation=level, **kwargs)
     except IsolationUnavailable as exc:
         pytest.skip(f"isolation level {level!r} is not available here: {exc}")
+
+
+MEMORY_BOXES = [(level, mode) for level in LEVELS for mode in ("auto", "off")]   # (level, memory_cgroup)
+
+
+def open_memory_box(level: str, mode: str, limits) -> Sandbox:
+    """A 2-worker sandbox at `level` with memory_cgroup `mode`; skips the test where "auto" can make no cgroup."""
+    if mode == "auto" and find_root()[0] is None:
+        pytest.skip(f"no cgroup can be made here: {find_root()[1]}")
+    return open_sandbox(level, limits=limits, workers=2, memory_cgroup=mode)
 
 
 def proc_table() -> dict[int, tuple[int, int, str, str]]:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from sandbox_helpers import LEVELS, he_spec, open_sandbox, right_only_if, run_as_user
+from sandbox_helpers import MEMORY_BOXES, open_memory_box, he_spec, right_only_if, run_as_user
 
 from evalrun.tasks.sandbox import SandboxLimits
-from evalrun.tasks.sandbox.memcg import find_root
 
 LIMITS = SandboxLimits(timeout=20.0, memory_mb=64)
 HOLD_MB = 4 * LIMITS.memory_mb
@@ -66,17 +65,9 @@ except (OSError, ValueError):
 ATTACKS = {"socketpair": SOCKETPAIR_FLOOD, "memfd_secret": MEMFD_SECRET_FLOOD}
 
 
-def _cgroup_here() -> bool:
-    return find_root()[0] is not None
-
-
-@pytest.fixture(scope="module", params=[(level, mode) for level in LEVELS for mode in ("auto", "off")],
-                ids=lambda p: f"{p[0]}-cgroup-{p[1]}")
+@pytest.fixture(scope="module", params=MEMORY_BOXES, ids=lambda p: f"{p[0]}-cgroup-{p[1]}")
 def mem_box(request):
-    level, mode = request.param
-    if mode == "auto" and not _cgroup_here():
-        pytest.skip(f"no cgroup can be made here: {find_root()[1]}")
-    sandbox = open_sandbox(level, limits=LIMITS, workers=2, memory_cgroup=mode)
+    sandbox = open_memory_box(*request.param, LIMITS)
     yield sandbox
     sandbox.close()
 
