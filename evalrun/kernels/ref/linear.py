@@ -62,18 +62,44 @@ def _ftz(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t.abs() < FLT_MIN, t * 0.0, t)
 
 
-def dot_bf16_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+PAIR_ORDERS = ("odd_first", "even_first", "split16")
+AMX_BLOCK_PAIRS = 16                        # k pairs per AMX tile step (one 64-byte A tile row)
+
+
+def dot_bf16_reference(x: torch.Tensor, weight: torch.Tensor, pair_order: str = "odd_first") -> torch.Tensor:
     """bf16(x) [M, K] @ bf16(weight) [N, K]^T as the bf16 GEMM (kernels/cpu/gemm_bf16.py) computes it:
-    one float32 chain per output over the k pairs in order, adding the product of element 2i+1 then
-    that of element 2i (each product exact, each add rounded to nearest even), denormal inputs and
-    sums flushed to zero: `vdpbf16ps`'s order. Exact to the bit where no product is denormal. Slow
-    (one step per pair): a test reference."""
+    float32 sums over the k pairs in order (each product exact, each add rounded to nearest even),
+    denormal inputs and sums flushed to zero. `pair_order` says how a pair's products enter:
+      "odd_first"   one chain per output, element 2i+1's product then element 2i's: `vdpbf16ps`
+                    (measured), the native and emulated paths;
+      "even_first"  one chain, element 2i's product then 2i+1's: `tdpbf16ps` as Intel's Intrinsics
+                    Guide writes `_tile_dpbf16ps`;
+      "split16"     per block of 16 pairs (the last block the rest), the even and the odd products in
+                    two chains from +0, their sum then added to the output's sum: `tdpbf16ps` as the
+                    SDM's pseudocode writes it.
+    (AMX hardware has not been checked against either.) Exact to the bit where no product is
+    denormal. Slow (one step per pair): a test reference."""
+    if pair_order not in PAIR_ORDERS:
+        raise ValueError(f"pair_order {pair_order!r} is not one of {', '.join(PAIR_ORDERS)}")
     xb = _ftz(x.to(torch.bfloat16).float())
     wb = _ftz(weight.to(torch.bfloat16).float())
     if xb.shape[1] % 2:
         xb, wb = torch.nn.functional.pad(xb, (0, 1)), torch.nn.functional.pad(wb, (0, 1))
-    acc = torch.zeros(xb.shape[0], wb.shape[0], dtype=torch.float32)
+    acc = torch.zeros(xb.shape[0], wb.shape[0], dtype=torch.float32)       # [M, N]
+    if pair_order == "split16":
+        return _split_blocks(xb, wb, acc, AMX_BLOCK_PAIRS)
     for i in range(0, xb.shape[1], 2):
-        for k in (i + 1, i):
+        for k in ((i + 1, i) if pair_order == "odd_first" else (i, i + 1)):
             acc = _ftz(acc + xb[:, k, None] * wb[None, :, k])
+    return acc
+
+
+def _split_blocks(xb: torch.Tensor, wb: torch.Tensor, acc: torch.Tensor, block: int) -> torch.Tensor:
+    """acc += (even chain + odd chain) per block of `block` pairs, each chain from +0 (FTZ throughout)."""
+    for b0 in range(0, xb.shape[1], 2 * block):
+        even, odd = torch.zeros_like(acc), torch.zeros_like(acc)
+        for i in range(b0, min(b0 + 2 * block, xb.shape[1]), 2):
+            even = _ftz(even + xb[:, i, None] * wb[None, :, i])
+            odd = _ftz(odd + xb[:, i + 1, None] * wb[None, :, i + 1])
+        acc = _ftz(acc + _ftz(even + odd))
     return acc
