@@ -9,6 +9,11 @@ exact and accumulate in float32, one chain per output over the k pairs in `vdpbf
 whatever the number of rows (batch invariance). On a CPU with AVX512_BF16 the tiles are that
 instruction (`path()` "native"); elsewhere the same chain in float32 multiplies and adds under
 FTZ/DAZ ("emulated": the same bits, slower). `EVALRUN_GEMM_BF16=emulate` forces the emulation.
+
+"amx" (csrc/gemm_bf16_amx.h): AMX-BF16 tiles, off by default and taken only where asked for
+(`EVALRUN_GEMM_BF16=amx`, or `set_path("amx")`) and `amx_available()`. Its sums are per tile of 16
+pairs in an order Intel documents two ways, neither vdpbf16ps's, and it has not yet run on an AMX
+CPU: tests/test_gemm_bf16_amx.py is the check to run on the first one.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Optional
 import torch
 
 from . import native
+from .host import cpu_flags
 from .gemm import epilogue_operands, pack_into
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -28,8 +34,10 @@ SIGNATURES = {
     "gemm_bf16_native": (_I32, []),
     "gemm_bf16_path": (_I32, []),
     "gemm_bf16_set_path": (_I32, [_I32]),
+    "gemm_bf16_amx_available": (_I32, []),
 }
-PATHS = {2: "native", 1: "emulated"}
+PATHS = {2: "native", 1: "emulated", 3: "amx"}
+AMX_FLAGS = ("amx_bf16", "amx_tile")
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -56,21 +64,46 @@ def native_instructions() -> bool:
     return lib is not None and bool(lib.gemm_bf16_native())
 
 
+def amx_available() -> bool:
+    """Whether the AMX-BF16 tiles can run here: the CPU's amx_bf16 and amx_tile, the OS saving the
+    tile state, and (Linux) this process's permission to use it."""
+    lib = _lib()
+    return lib is not None and bool(lib.gemm_bf16_amx_available())
+
+
+def amx_unavailable_reason() -> Optional[str]:
+    """Why the "amx" path cannot run here, or None when it can."""
+    if _lib() is None:
+        return unavailable_reason()
+    if amx_available():
+        return None
+    missing = [f for f in AMX_FLAGS if f not in (cpu_flags() or ())]
+    if missing:
+        return f"needs amx_bf16 (AMX-BF16 tiles); this CPU lacks the flag{'s' if len(missing) > 1 else ''} " \
+               f"{', '.join(missing)}"
+    return ("the CPU has amx_bf16 but the OS does not let this process use the tile state (XCR0, or Linux's "
+            "arch_prctl(ARCH_REQ_XCOMP_PERM) refused, e.g. for a too small sigaltstack)")
+
+
 def path() -> str:
-    """"native" (vdpbf16ps tiles) or "emulated"; "" when unavailable."""
+    """"native" (vdpbf16ps tiles), "emulated" or "amx"; "" when unavailable."""
     lib = _lib()
     return "" if lib is None else PATHS[lib.gemm_bf16_path()]
 
 
 def set_path(name: str) -> str:
-    """Use the "native" or the "emulated" tiles from now on (the same bits; for comparisons).
-    Returns the path in use, which stays "emulated" where the CPU lacks AVX512_BF16."""
+    """Use the "native", the "emulated" (the same bits; for comparisons) or the "amx" tiles from now
+    on. Returns the path in use, which stays "emulated" for "native" where the CPU lacks
+    AVX512_BF16; "amx" where it cannot run raises ValueError."""
     lib = _lib()
     if lib is None:
         raise ValueError(f"the bf16 GEMM is unavailable: {unavailable_reason()}")
-    if name not in PATHS.values():
-        raise ValueError(f"bf16 GEMM path {name!r} is not one of {', '.join(PATHS.values())}")
-    return PATHS[lib.gemm_bf16_set_path(2 if name == "native" else 1)]
+    codes = {v: k for k, v in PATHS.items()}
+    if name not in codes:
+        raise ValueError(f"bf16 GEMM path {name!r} is not one of {', '.join(codes)}")
+    if name == "amx" and not amx_available():
+        raise ValueError(f"bf16 GEMM path 'amx' cannot run here: {amx_unavailable_reason()}")
+    return PATHS[lib.gemm_bf16_set_path(codes[name])]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

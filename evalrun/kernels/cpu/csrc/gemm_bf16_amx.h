@@ -147,5 +147,8 @@ __attribute__((target("amx-tile,amx-bf16"))) static void bf_amx_rows_by_panels(c
 
 #else  /* not x86-64, or a compiler without AMX: never available, and the default tiles if called */
 int gemm_bf16_amx_available(void) { return 0; }
-static void bf_amx_rows_by_panels(const bf_Gemm *g, int pb, int pe) { bf_rows_by_panels(g, pb, pe); }
+static void bf_amx_rows_by_panels(const bf_Gemm *g, int pb, int pe) {
+    bf_Next none = {1, 0, 0, 0};                 /* never reached: the path is never available here */
+    bf_rows_by_panels((bf_Gemm *)g, pb, pe, &none);
+}
 #endif
