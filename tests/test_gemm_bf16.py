@@ -137,3 +137,26 @@ def test_the_path_follows_the_cpu_flags():
     if not NATIVE:
         assert gemm_bf16.set_path("native") == "emulated"
 
+
+
+@pytest.mark.parametrize("i,k,m", [(1536, 576, 32), (48, 40, 1), (48, 40, 2), (80, 33, 7), (32, 576, 65)])
+def test_silu_epilogue_equals_the_two_calls(path, i, k, m):
+    """gemm_silu is bitwise silu_mul_native of the GEMM's float32 output (gate and up halves of one
+    packed weight), for 1-2 rows (4-panel tiles), odd K, several threads' ranges and a row alone."""
+    fused_ops = pytest.importorskip("evalrun.kernels.cpu.fused")
+    if not gemm_bf16.silu_fusable(i):
+        pytest.skip("the bf16 SiLU epilogue needs AVX-512 tiles")
+    w, x = _case(2 * i, k, m, seed=5, scale=3.0)
+    panels = gemm_bf16.pack(w)
+    out = gemm_bf16.gemm_silu(x, panels, i)
+    assert _same(out, fused_ops.silu_mul_native(gemm_bf16.gemm(x, panels, 2 * i, out_dtype=torch.float32)))
+    assert _same(gemm_bf16.gemm_silu(x[m - 1:], panels, i), out[m - 1:])
+    assert gemm_bf16.gemm_silu(x[:0], panels, i).shape == (0, i)
+
+
+def test_silu_epilogue_declines_what_it_does_not_fuse():
+    w, x = _case(2 * 40, 16, 3)
+    assert not gemm_bf16.silu_fusable(40)                  # I not a multiple of the 16-column panels
+    assert gemm_bf16.gemm_silu(x, gemm_bf16.pack(w), 40) is None
+    with pytest.raises(ValueError, match="matching the packed weight"):
+        gemm_bf16.gemm_silu(x[:, :8], gemm_bf16.pack(w), 40)

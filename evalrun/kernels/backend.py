@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .attention import AttentionMetadata
-from .cpu import decode_step, fused as native_fused, gemm, kv_quant as native_quant, paged_decode, paged_prefill
+from .cpu import (decode_step, fused as native_fused, gemm, gemm_bf16, kv_quant as native_quant, paged_decode,
+                  paged_prefill)
 from .cuda import flash_attn, triton_attention, triton_cache_ops, triton_linear
 from .kv_format import KVFormat, LayerKV
 from .linear import Linear, linear, linear_backend
@@ -164,6 +165,13 @@ def _gate_up_silu_gemm(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
     return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
 
 
+def _gate_up_silu_bf16(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+    """The SiLU in the native bf16 GEMM's epilogue (kernels/cpu/gemm_bf16.py gemm_silu: the same bits
+    as the GEMM then silu_mul); a biased projection (the epilogue adds none) takes those two calls."""
+    out = None if gate_up.bias is not None else gemm_bf16.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
+    return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
+
+
 def _rms_norm_f32_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """The native RMSNorm of float32 rows with a bf16 model's weights (widened: exact)."""
     return native_fused.rms_norm_native(x, w if w.dtype == torch.float32 else w.float(), eps)
@@ -248,6 +256,8 @@ class NativeCpuKernels(TorchKernels):
         gate_up, names["gate_up_silu"] = _gated(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
         if fused_ok and f32 and key.linear == "native-gemm" and gemm.silu_fusable(key.intermediate_size):
             gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
+        if fused_ok and f32 and key.linear == "native-bf16" and gemm_bf16.silu_fusable(key.intermediate_size):
+            gate_up, names["gate_up_silu"] = _gate_up_silu_bf16, "native-bf16 silu epilogue"
         gelu = _gated(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference)
         if key.act == "gelu_tanh":
             names["gate_up_gelu"] = "native-c gelu_tanh" if fused_ok and f32 else "torch"

@@ -2,6 +2,7 @@
 
     pack(weight [N, K])                              -> panels: bf16 pairs of k in 16-column panels
     gemm(x [M, K], panels, N, bias, residual, out_dtype) -> residual + (bf16(x) @ W^T + bias)  [M, N]
+    gemm_silu(x [M, K], panels, I)                   -> silu(x Wg^T) * (x Wu^T)  [M, I] float32, or None
 
 x is float32 (rounded to bfloat16 in the call, to nearest even) or bfloat16; the products are
 exact and accumulate in float32, one chain per output over the k pairs in `vdpbf16ps` order
@@ -35,6 +36,8 @@ SIGNATURES = {
     "gemm_bf16_path": (_I32, []),
     "gemm_bf16_set_path": (_I32, [_I32]),
     "gemm_bf16_amx_available": (_I32, []),
+    "gemm_bf16_silu": (_I32, [_P, _I32, _I32, _I32, _I64, _P, _I32, _P, _I32]),
+    "gemm_bf16_silu_supported": (_I32, [_I32]),
 }
 PATHS = {2: "native", 1: "emulated", 3: "amx"}
 AMX_FLAGS = ("amx_bf16", "amx_tile")
@@ -138,3 +141,35 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
     if rc != 0:
         raise ValueError(f"gemm_bf16 cannot take x {tuple(x.shape)} with N={n}")
     return y
+
+
+def silu_fusable(i: int) -> bool:
+    """Whether `gemm_silu` runs for an intermediate size of i (AVX-512 tiles, i a multiple of 16, not
+    the AMX path)."""
+    lib = _lib()
+    return lib is not None and i > 0 and bool(lib.gemm_bf16_silu_supported(i))
+
+
+def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.Tensor]:
+    """silu(bf16(x) @ W_gate^T) * (bf16(x) @ W_up^T) [M, I] float32 for a packed [gate | up] weight of
+    2I rows, in one pass (the [M, 2I] product is never written): bitwise silu_mul_native of `gemm`'s
+    float32 output. None where this path does not apply (`silu_fusable`): the caller makes the two
+    calls."""
+    lib = _lib()
+    if x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = x.shape
+    if (lib is None or x.dtype not in OUT_DTYPES or x.device.type != "cpu"
+            or panels.numel() != lib.gemm_bf16_packed_u16(2 * i, k)):
+        raise ValueError(f"gemm_bf16.gemm_silu takes float32/bfloat16 CPU rows [M, K] matching the packed weight's "
+                         f"K, got {tuple(x.shape)} {x.dtype} {x.device} for I={i}")
+    if not lib.gemm_bf16_silu_supported(i):
+        return None
+    out = torch.empty(m, i, dtype=torch.float32)
+    if m == 0:
+        return out
+    rc = lib.gemm_bf16_silu(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, x.stride(0) if m > 1 else k,
+                            panels.data_ptr(), i, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"gemm_bf16.gemm_silu cannot take x {tuple(x.shape)} with I={i}")
+    return out

@@ -18,8 +18,9 @@
  * These are the very functions the per-op path calls from Python (this file includes their
  * sources), in the same order on the same data, so the step's output is bitwise the same as
  * that path's; only the ~10 Python calls per layer (~3 ms per step at 30 layers) are gone.
- * One exception, with the same bits: where gemm_silu_supported (3+ rows, the AVX2 tiles), the
- * SiLU runs in the gate/up GEMM's epilogue (gemm_silu_f32; its time is profiled as gate/up).
+ * One exception, with the same bits: where gemm_silu_supported (3+ rows, the AVX2 tiles) or
+ * gemm_bf16_silu_supported, the SiLU runs in the gate/up GEMM's epilogue (gemm_silu_f32,
+ * gemm_bf16_silu; its time is profiled as gate/up).
  * evalrun/kernels/cpu/decode_step.py builds the layer table and decides when this path applies.
  *
  *   DecodeLayer   per layer: norm weights [H] float32, packed weights (gemm_pack_f32, or
@@ -129,7 +130,8 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
     const int nthreads = th->gemm, norm_threads = th->norm, act_threads = th->act, attn_threads = th->attn;
     float *h = work, *qkv = h + (int64_t)T * H, *q = qkv + (int64_t)T * Q, *o = q + (int64_t)T * Hq * D;
     float *gu = o + (int64_t)T * Hq * D, *act = gu + (int64_t)T * 2 * I, *scratch = act + (int64_t)T * I;
-    const int prof = profile_on, fuse_silu_ok = m->weight_kind == 0 && m->act == 0 && gemm_silu_supported(T, I);
+    const int prof = profile_on, fuse_silu_ok = m->act == 0 && (m->weight_kind == 0 ? gemm_silu_supported(T, I)
+                                                                                     : gemm_bf16_silu_supported(I));
     const int64_t TH = (int64_t)T * H;
     const int kind = m->page_kind;
     double t0 = prof ? now_s() : 0.0;
@@ -181,8 +183,10 @@ int decode_step_f32(const DecodeModel *m, float *x, const float *cos, const floa
                               0, 0, ly->sliding, ly->softcap))
         ADD_OUTPUT(4, o, Hq * D, ly->wo, ly->bo, ly->attn_out_norm)
         NORMED_INPUT(ly->post_norm)
-        if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits (gemm.c) */
-            STAGE(5, gemm_silu_f32(hin, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads))
+        if (fuse_silu_ok && !ly->b_gate_up) {            /* SiLU in the gate/up GEMM's epilogue: the same bits */
+            STAGE(5, m->weight_kind == 0 ? gemm_silu_f32(hin, T, H, H, (const float *)ly->w_gate_up, I, act, nthreads)
+                                         : gemm_bf16_silu(hin, 0, T, H, H, (const uint16_t *)ly->w_gate_up, I, act,
+                                                          nthreads))
         } else {
             STAGE(5, step_gemm(m, hin, T, H, ly->w_gate_up, 2 * I, ly->b_gate_up, 0, gu, nthreads))
             STAGE(6, m->act ? gelu_tanh_mul_f32(gu, act, T, I, act_threads) : silu_mul_f32(gu, act, T, I, act_threads))

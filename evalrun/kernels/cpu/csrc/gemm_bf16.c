@@ -42,6 +42,7 @@
 #endif
 
 #include "pool.h"
+#include "simd_math.h"                 /* silu_mul8: gemm_bf16_silu's epilogue */
 
 #define BF_PW 16                        /* columns per panel */
 #define BF_ZR 8                         /* rows per bf_tile */
@@ -127,6 +128,8 @@ typedef struct {
     int chunks;
     atomic_int next;
     int native;                      /* the path: 2 vdpbf16ps tiles, 1 emulated, 3 AMX */
+    int pair;                        /* gemm_bf16_silu: the gate panels (I / 16; np is this), else 0 */
+    float *act;                      /* gemm_bf16_silu's output [M, I] */
 } bf_Gemm;
 
 static int bf_claim(bf_Gemm *g, int units, int *ub, int *ue) {
@@ -165,150 +168,30 @@ static void bf_epilogue(const bf_Gemm *g, int i0, int R, int p0, int P, const fl
     }
 }
 
-/* ---- the tiles: R rows (x0.., stride ldp pairs) by P panels (bp, bp + ps, ..; bp at pair k0) over
- * kn pairs from k0; sums start from 0 when `first`, else from carry [R][P * 16], and are left there. */
-typedef void (*bf_TileFn)(const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps, int k0, int kn,
-                       float *carry, int first, const uint32_t *pf, int pf_n);
-
+/* gemm_bf16_silu: rows i0.. of gate panels p0 .. p0 + P - 1 (sums acc_g [R][P * 16]) and their up
+ * panels (acc_u) -> act = silu(gate) * up, silu_mul_f32's very operations (fused_ops.c), so the
+ * same bits as gemm_bf16 then silu_mul_f32. */
+#if defined(__SSE__)
+static _Thread_local unsigned int bf_csr_caller;   /* MXCSR as the caller had it (bf_run_part) */
+#endif
+static void bf_epilogue_silu(const bf_Gemm *g, int i0, int R, int p0, int P, const float *acc_g, const float *acc_u) {
 #if BF_Z
-#define BF_ZEACH_P(M, r) M(r, 0) M(r, 1) M(r, 2) M(r, 3)
-#define BF_ZEACH(M) BF_ZEACH_P(M, 0) BF_ZEACH_P(M, 1) BF_ZEACH_P(M, 2) BF_ZEACH_P(M, 3) BF_ZEACH_P(M, 4) BF_ZEACH_P(M, 5) \
-    BF_ZEACH_P(M, 6) BF_ZEACH_P(M, 7)
-#define BF_ZDECL(r, p) __m512 c##r##p = _mm512_setzero_ps();
-#define BF_ZLOAD(r, p) if (R > r && P > p) c##r##p = _mm512_loadu_ps(carry + (r * P + p) * BF_PW);
-#define BF_ZSTORE(r, p) if (R > r && P > p) _mm512_storeu_ps(carry + (r * P + p) * BF_PW, c##r##p);
-#define BF_XROWS                                                                                     \
-    const uint32_t *x1 = R > 1 ? x0 + ldp : x0, *x2 = R > 2 ? x1 + ldp : x1, *x3 = R > 3 ? x2 + ldp : x2, \
-                   *x4 = R > 4 ? x3 + ldp : x3, *x5 = R > 5 ? x4 + ldp : x4, *x6 = R > 6 ? x5 + ldp : x5, \
-                   *x7 = R > 7 ? x6 + ldp : x6;
-
-#if BF_NATIVE
-/* native: one vdpbf16ps per row, panel and pair */
-#define BF_NB(p) const __m512i b##p = P > p ? _mm512_loadu_si512(bp + p * ps) : _mm512_setzero_si512();
-#define BF_NF(r, p) if (P > p) c##r##p = _mm512_dpbf16_ps(c##r##p, (__m512bh)a_, (__m512bh)b##p);
-#define BF_NROW(r)                                                                                   \
-    if (R > r) {                                                                                  \
-        const __m512i a_ = _mm512_set1_epi32((int)x##r[k]);                                       \
-        BF_NF(r, 0) BF_NF(r, 1) BF_NF(r, 2) BF_NF(r, 3)                                                       \
+    const int I = g->pair * BF_PW;
+    const unsigned int csr = _mm_getcsr();
+    if (g->native == 1) _mm_setcsr(bf_csr_caller);      /* the emulation's FTZ/DAZ are not silu_mul's */
+    for (int r = 0; r < R; r++) {
+        float *out = g->act + (int64_t)(i0 + r) * I + p0 * BF_PW;
+        const float *a = acc_g + r * P * BF_PW, *u = acc_u + r * P * BF_PW;
+        for (int j = 0; j < P * BF_PW; j += 8)
+            _mm256_storeu_ps(out + j, silu_mul8(_mm256_loadu_ps(a + j), _mm256_loadu_ps(u + j)));
     }
-#define BF_NSTEP BF_NB(0) BF_NB(1) BF_NB(2) BF_NB(3) BF_NROW(0) BF_NROW(1) BF_NROW(2) BF_NROW(3) BF_NROW(4) BF_NROW(5) BF_NROW(6) BF_NROW(7)
-
-#define BF_PF(p) if (P > p) _mm_prefetch((const char *)(pf + p * ps), BF_PF_HINT);
-
-/* ... and the tile prefetches pf_n lines of each panel of the next slice pf, one line per step
- * (panel after panel) where the steps suffice, else one line of each panel per step (the weights
- * stream from memory in a decode step: the tiles of a block fetch the next slice between them) */
-static inline __attribute__((always_inline)) void bf_ntile(const int R, const int P, const uint32_t *x0, int64_t ldp,
-                                                       const uint32_t *bp, int64_t ps, int k0, int kn,
-                                                       float *carry, int first, const uint32_t *pf, int pf_n) {
-    BF_XROWS
-    BF_ZEACH(BF_ZDECL)
-    if (!first) { BF_ZEACH(BF_ZLOAD) }
-    const int ke = k0 + kn, kp = k0 + (pf_n < kn ? pf_n : kn);
-    int k = k0;
-    if (P * (kp - k0) <= kn) {          /* spread out: one line a step, panel after panel */
-        const int kq = k0 + P * (kp - k0);
-        for (int pp = 0; k < kq; k++, bp += BF_PW) {
-            _mm_prefetch((const char *)(pf + pp * ps), BF_PF_HINT);
-            if (++pp == P) { pp = 0; pf += BF_PW; }
-            BF_NSTEP
-        }
-    }
-    for (; k < kp; k++, bp += BF_PW, pf += BF_PW) { BF_PF(0) BF_PF(1) BF_PF(2) BF_PF(3) BF_NSTEP }
-    _Pragma("GCC unroll 2") for (; k < ke; k++, bp += BF_PW) { BF_NSTEP }
-    BF_ZEACH(BF_ZSTORE)
-}
+    if (g->native == 1) _mm_setcsr(csr);
+#else
+    (void)g; (void)i0; (void)R; (void)p0; (void)P; (void)acc_g; (void)acc_u;
 #endif
-
-/* emulated: the same chain as float32 fused multiply-adds under FTZ/DAZ (run_part sets them): each
- * product is exact, added to the sum with one rounding, a denormal sum flushed to a signed zero, as
- * vdpbf16ps does (a tiny product is not flushed before the add: checked against the instruction) */
-#define BF_HI_MASK _mm512_set1_epi32((int)0xffff0000u)
-#define BF_EB(p)                                                                                     \
-    const __m512i w##p = P > p ? _mm512_loadu_si512(bp + p * ps) : _mm512_setzero_si512();        \
-    const __m512 bo##p = _mm512_castsi512_ps(_mm512_and_si512(w##p, hi)),                         \
-                 be##p = _mm512_castsi512_ps(_mm512_slli_epi32(w##p, 16));
-#define BF_EF(r, p)                                                                                  \
-    if (P > p) {                                                                                  \
-        c##r##p = _mm512_fmadd_ps(ao_, bo##p, c##r##p);                                           \
-        c##r##p = _mm512_fmadd_ps(ae_, be##p, c##r##p);                                           \
-    }
-#define BF_EROW(r)                                                                                   \
-    if (R > r) {                                                                                  \
-        const uint32_t v_ = x##r[k];                                                              \
-        const uint32_t o_ = v_ & 0xffff0000u, e_ = v_ << 16;                                      \
-        float fo_, fe_;                                                                           \
-        memcpy(&fo_, &o_, 4);                                                                     \
-        memcpy(&fe_, &e_, 4);                                                                     \
-        const __m512 ao_ = _mm512_set1_ps(fo_), ae_ = _mm512_set1_ps(fe_);                        \
-        BF_EF(r, 0) BF_EF(r, 1) BF_EF(r, 2) BF_EF(r, 3)                                                       \
-    }
-#define BF_ESTEP BF_EB(0) BF_EB(1) BF_EB(2) BF_EB(3) BF_EROW(0) BF_EROW(1) BF_EROW(2) BF_EROW(3) BF_EROW(4) BF_EROW(5) BF_EROW(6) BF_EROW(7)
-
-static inline __attribute__((always_inline)) void bf_etile(const int R, const int P, const uint32_t *x0, int64_t ldp,
-                                                       const uint32_t *bp, int64_t ps, int k0, int kn,
-                                                       float *carry, int first, const uint32_t *pf, int pf_n) {
-    (void)pf; (void)pf_n;
-    BF_XROWS
-    BF_ZEACH(BF_ZDECL)
-    if (!first) { BF_ZEACH(BF_ZLOAD) }
-    const __m512i hi = BF_HI_MASK;
-    const int ke = k0 + kn;
-    for (int k = k0; k < ke; k++, bp += BF_PW) { BF_ESTEP }
-    BF_ZEACH(BF_ZSTORE)
 }
 
-#define BF_DEFINE_TILE(kind, r, p)                                                                   \
-    static void kind##r##x##p(const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps, int k0, int kn, \
-                              float *carry, int first, const uint32_t *pf, int pf_n) {            \
-        kind(r, p, x0, ldp, bp, ps, k0, kn, carry, first, pf, pf_n);                              \
-    }
-#define BF_DEFINE_TILES(kind)                                                                        \
-    BF_DEFINE_TILE(kind, 1, 1) BF_DEFINE_TILE(kind, 2, 1) BF_DEFINE_TILE(kind, 3, 1) BF_DEFINE_TILE(kind, 4, 1)   \
-    BF_DEFINE_TILE(kind, 5, 1) BF_DEFINE_TILE(kind, 6, 1) BF_DEFINE_TILE(kind, 7, 1) BF_DEFINE_TILE(kind, 8, 1)   \
-    BF_DEFINE_TILE(kind, 1, 2) BF_DEFINE_TILE(kind, 2, 2) BF_DEFINE_TILE(kind, 3, 2) BF_DEFINE_TILE(kind, 4, 2)   \
-    BF_DEFINE_TILE(kind, 5, 2) BF_DEFINE_TILE(kind, 6, 2) BF_DEFINE_TILE(kind, 7, 2) BF_DEFINE_TILE(kind, 8, 2)   \
-    BF_DEFINE_TILE(kind, 1, 3) BF_DEFINE_TILE(kind, 2, 3) BF_DEFINE_TILE(kind, 3, 3) BF_DEFINE_TILE(kind, 4, 3)   \
-    BF_DEFINE_TILE(kind, 5, 3) BF_DEFINE_TILE(kind, 6, 3) BF_DEFINE_TILE(kind, 7, 3) BF_DEFINE_TILE(kind, 8, 3)   \
-    BF_DEFINE_TILE(kind, 1, 4) BF_DEFINE_TILE(kind, 2, 4)
-#define BF_TILE_TABLE(kind)                                                                          \
-    {{0}, {0, kind##1x1, kind##2x1, kind##3x1, kind##4x1, kind##5x1, kind##6x1, kind##7x1, kind##8x1},     \
-     {0, kind##1x2, kind##2x2, kind##3x2, kind##4x2, kind##5x2, kind##6x2, kind##7x2, kind##8x2},          \
-     {0, kind##1x3, kind##2x3, kind##3x3, kind##4x3, kind##5x3, kind##6x3, kind##7x3, kind##8x3},          \
-     {0, kind##1x4, kind##2x4}}
-BF_DEFINE_TILES(bf_etile)
-static const bf_TileFn bf_ETILES[BF_FEW_P + 1][BF_ZR + 1] = BF_TILE_TABLE(bf_etile);
-#if BF_NATIVE
-BF_DEFINE_TILES(bf_ntile)
-static const bf_TileFn bf_NTILES[BF_FEW_P + 1][BF_ZR + 1] = BF_TILE_TABLE(bf_ntile);
-#endif
-
-#else  /* no AVX-512: the emulated chain in plain C */
-static void bf_ctile(int R, int P, const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps, int k0, int kn,
-                  float *carry, int first, const uint32_t *pf, int pf_n) {
-    (void)pf; (void)pf_n;
-    float acc[BF_ZR * BF_FEW_P * BF_PW];
-    for (int i = 0; i < R * P * BF_PW; i++) acc[i] = first ? 0.0f : carry[i];
-    for (int k = k0; k < k0 + kn; k++, bp += BF_PW)
-        for (int r = 0; r < R; r++) {
-            const uint32_t v = x0[r * ldp + k], o = v & 0xffff0000u, e = v << 16;
-            float xo, xe;
-            memcpy(&xo, &o, 4);
-            memcpy(&xe, &e, 4);
-            for (int p = 0; p < P; p++)
-                for (int c = 0; c < BF_PW; c++) {
-                    const uint32_t w = bp[p * ps + c], wo = w & 0xffff0000u, we = w << 16;
-                    float fo, fe;
-                    memcpy(&fo, &wo, 4);
-                    memcpy(&fe, &we, 4);
-                    float *a = acc + (r * P + p) * BF_PW + c;
-                    *a = fmaf(xo, fo, *a);
-                    *a = fmaf(xe, fe, *a);
-                }
-        }
-    memcpy(carry, acc, sizeof(float) * R * P * BF_PW);
-}
-#endif
+#include "gemm_bf16_tiles.h"          /* bf_NTILES, bf_ETILES, bf_ctile */
 
 static void bf_tile(const bf_Gemm *g, int R, int P, const uint32_t *x0, int64_t ldp, const uint32_t *bp, int64_t ps,
                  int k0, int kn, float *carry, int first, const uint32_t *pf, int pf_n) {
@@ -348,7 +231,7 @@ static void bf_rows_by_panels(bf_Gemm *g, int pb, int pe, bf_Next *nx) {
     int mc = BF_A_BLOCK_BYTES / (K2 * 4);
     mc = mc < BF_ZR ? BF_ZR : mc > BF_MAX_BLOCK_ROWS ? BF_MAX_BLOCK_ROWS : mc - mc % BF_ZR;
     const int nkb = (K2 + BF_KC - 1) / BF_KC, kc = (K2 + nkb - 1) / nkb;
-    float carry[(BF_MAX_BLOCK_ROWS + BF_ZR) * BF_FEW_P * BF_PW];
+    float carry[(BF_MAX_BLOCK_ROWS + BF_ZR) * BF_FEW_P * BF_PW], carry_up[(BF_MAX_BLOCK_ROWS + BF_ZR) * BF_FEW_P * BF_PW];
     const int stride = BF_ZR * BF_FEW_P * BF_PW;
     for (int i0 = 0, i1; i0 < g->M; i0 = i1) {
         i1 = i0 + mc < g->M ? i0 + mc : g->M;
@@ -356,29 +239,36 @@ static void bf_rows_by_panels(bf_Gemm *g, int pb, int pe, bf_Next *nx) {
         const int n = i1 - i0, t = (n + BF_ZR - 1) / BF_ZR;
         for (int q = pb; q < pe; q += PG) {
             const int P = pe - q < PG ? pe - q : PG;
-            const uint32_t *panel = g->packed + q * ps;
-            for (int k0 = 0; k0 < K2; k0 += kc) {
-                const int kn = k0 + kc <= K2 ? kc : K2 - k0;
-                /* the next slice: the rest of these panels, else the next group's first (P panels of
-                 * it prefetched; in this claimed range), its lines shared out over the tiles */
-                const int more = k0 + kn < K2, last = !more && q + PG >= pe && i1 == g->M;
-                const int after = last ? bf_next_panel(g, nx) : -1;
-                const int next_group = q + PG < pe || after >= 0;
-                const int lines = more ? (K2 - k0 - kn < kc ? K2 - k0 - kn : kc) : next_group ? kc : 0;
-                const uint32_t *next = more ? panel + (int64_t)(k0 + kn) * BF_PW
-                                            : q + PG < pe ? panel + PG * ps : g->packed + (int64_t)after * ps;
-                const int per = (lines + t - 1) / t;
-                for (int j = 0, i = i0; j < t; j++) {
-                    const int R = n / t + (j < n % t);
-                    const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
-                    bf_tile(g, R, P, g->xp + (int64_t)i * K2, K2, panel + (int64_t)k0 * BF_PW, ps, k0, kn,
-                            carry + j * stride, k0 == 0, next + (int64_t)lo * BF_PW, hi - lo);
-                    i += R;
+            /* gemm_bf16_silu (pair): the gate panels q.., then their up panels q + pair.. into carry_up */
+            for (int half = 0; half < (g->pair ? 2 : 1); half++) {
+                const uint32_t *panel = g->packed + (int64_t)(q + half * g->pair) * ps;
+                float *c = half ? carry_up : carry;
+                for (int k0 = 0; k0 < K2; k0 += kc) {
+                    const int kn = k0 + kc <= K2 ? kc : K2 - k0;
+                    /* the next slice: the rest of these panels, else the up panels (pair, gate half),
+                     * else the next group's first (in this range, else in the range claimed next);
+                     * P panels of it, its lines shared out over the tiles */
+                    const int more = k0 + kn < K2, to_up = !more && g->pair && half == 0;
+                    const int last = !more && !to_up && q + PG >= pe && i1 == g->M;
+                    const int after = last ? bf_next_panel(g, nx) : -1;
+                    const int next_group = to_up || q + PG < pe || after >= 0;
+                    const int lines = more ? (K2 - k0 - kn < kc ? K2 - k0 - kn : kc) : next_group ? kc : 0;
+                    const int64_t np_next = to_up ? q + g->pair : q + PG < pe ? q + PG : after;
+                    const uint32_t *next = more ? panel + (int64_t)(k0 + kn) * BF_PW : g->packed + np_next * ps;
+                    const int per = (lines + t - 1) / t;
+                    for (int j = 0, i = i0; j < t; j++) {
+                        const int R = n / t + (j < n % t);
+                        const int lo = j * per < lines ? j * per : lines, hi = lo + per < lines ? lo + per : lines;
+                        bf_tile(g, R, P, g->xp + (int64_t)i * K2, K2, panel + (int64_t)k0 * BF_PW, ps, k0, kn,
+                                c + j * stride, k0 == 0, next + (int64_t)lo * BF_PW, hi - lo);
+                        i += R;
+                    }
                 }
             }
             for (int j = 0, i = i0; j < t; j++) {
                 const int R = n / t + (j < n % t);
-                bf_epilogue(g, i, R, q, P, carry + j * stride);
+                if (g->pair) bf_epilogue_silu(g, i, R, q, P, carry + j * stride, carry_up + j * stride);
+                else bf_epilogue(g, i, R, q, P, carry + j * stride);
                 i += R;
             }
         }
@@ -394,6 +284,7 @@ static void bf_run_part(void *ctx, int tid, int nth) {
     bf_Gemm *g = (bf_Gemm *)ctx;
 #if defined(__SSE__)
     const unsigned int csr = _mm_getcsr();
+    bf_csr_caller = csr;
     if (g->native == 1) _mm_setcsr(csr | 0x8040u);
 #endif
     const int units = (g->np + g->group - 1) / g->group;
@@ -430,12 +321,8 @@ static void bf_to_pairs(const void *x, int x_bf16, int M, int K, int64_t ldx, ui
     }
 }
 
-/* Returns 0; 1 (nothing done) on invalid sizes or a failed allocation. x_bf16 / y_bf16: 1 when
- * x / y hold bfloat16, 0 float32. */
-int gemm_bf16(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16_t *packed, int N,
-              const float *bias, const float *residual, void *y, int y_bf16, int nthreads) {
-    if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
-    if (M == 0) return 0;
+/* x rows -> the thread's pair buffer (grown as needed); NULL on a failed allocation. */
+static uint32_t *bf_x_pairs(const void *x, int x_bf16, int M, int K, int64_t ldx) {
     const int K2 = bf_n_pairs(K);
     static _Thread_local uint32_t *buf;
     static _Thread_local int64_t buf_len;
@@ -445,16 +332,52 @@ int gemm_bf16(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16
         buf = (uint32_t *)aligned_alloc(64, (size_t)((buf_len * 4 + 63) / 64 * 64));
         if (!buf) {
             buf_len = 0;
-            return 1;
+            return 0;
         }
     }
     bf_to_pairs(x, x_bf16, M, K, ldx, buf);
-    bf_Gemm g = {buf, (const uint32_t *)packed, bias, residual, y, y_bf16, M, N, K2, (N + BF_PW - 1) / BF_PW,
-              M <= 2 ? BF_FEW_P : BF_ZP, 1, 0, gemm_bf16_path()};
-    const int units = (g.np + g.group - 1) / g.group;
+    return buf;
+}
+
+static int bf_launch(bf_Gemm *g, int64_t work, int nthreads) {
+    const int units = (g->np + g->group - 1) / g->group;
     int nth = nthreads < 1 ? 1 : nthreads;
     if (nth > units) nth = units;
-    if ((int64_t)M * N * K < 65536) nth = 1;
-    if (nth > 1) g.chunks = M <= 2 ? nth : nth * (M >= BF_LARGE_M ? BF_CHUNKS_LARGE : BF_CHUNKS);
-    return evalrun_pool_run(bf_run_part, &g, nth);
+    if (work < 65536) nth = 1;
+    if (nth > 1) g->chunks = g->M <= 2 ? nth : nth * (g->M >= BF_LARGE_M ? BF_CHUNKS_LARGE : BF_CHUNKS);
+    return evalrun_pool_run(bf_run_part, g, nth);
+}
+
+/* Returns 0; 1 (nothing done) on invalid sizes or a failed allocation. x_bf16 / y_bf16: 1 when
+ * x / y hold bfloat16, 0 float32. */
+int gemm_bf16(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16_t *packed, int N,
+              const float *bias, const float *residual, void *y, int y_bf16, int nthreads) {
+    if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
+    if (M == 0) return 0;
+    const uint32_t *xp = bf_x_pairs(x, x_bf16, M, K, ldx);
+    if (!xp) return 1;
+    bf_Gemm g = {xp, (const uint32_t *)packed, bias, residual, y, y_bf16, M, N, bf_n_pairs(K), (N + BF_PW - 1) / BF_PW,
+              M <= 2 ? BF_FEW_P : BF_ZP, 1, 0, gemm_bf16_path(), 0, 0};
+    return bf_launch(&g, (int64_t)M * N * K, nthreads);
+}
+
+/* act[M, I] = silu(x W_gate^T) * (x W_up^T) for a packed [gate | up] weight of 2I rows (a gated MLP's
+ * input projection and its activation in one pass, the [M, 2I] product never written): each output
+ * is silu_mul_f32 of gemm_bf16's own sums, so bitwise the same as the two calls. Returns 0; 2
+ * (nothing done) where this path does not apply (no AVX-512, the AMX path, I not a multiple of 16:
+ * the caller makes the two calls); 1 on invalid sizes or a failed allocation. */
+int gemm_bf16_silu_supported(int I) {
+    return BF_Z && I > 0 && I % BF_PW == 0 && gemm_bf16_path() != 3;
+}
+
+int gemm_bf16_silu(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16_t *packed, int I, float *act,
+                   int nthreads) {
+    if (M < 0 || I < 1 || K < 1 || ldx < K) return 1;
+    if (!gemm_bf16_silu_supported(I)) return 2;
+    if (M == 0) return 0;
+    const uint32_t *xp = bf_x_pairs(x, x_bf16, M, K, ldx);
+    if (!xp) return 1;
+    bf_Gemm g = {xp, (const uint32_t *)packed, 0, 0, 0, 0, M, 2 * I, bf_n_pairs(K), I / BF_PW,
+              M <= 2 ? BF_FEW_P : BF_ZP, 1, 0, gemm_bf16_path(), I / BF_PW, act};
+    return bf_launch(&g, (int64_t)M * 2 * I * K, nthreads);   /* units: groups of gate panels */
 }
