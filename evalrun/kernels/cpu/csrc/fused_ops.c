@@ -277,6 +277,13 @@ int rope_write_part(const float *qkv, int64_t row_stride, const float *cos, cons
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= n_slots) return 1;
     const int64_t W = (int64_t)Hkv * D, bytes = page_kind == KIND_F32 ? 4 : 2;     /* values, bytes a value */
+    /* every destination line first: a decode step's K/V rows lie far apart in the pages, and their
+     * lines then arrive while the rows are rotated instead of each store waiting for its own */
+    for (int t = 0; t < T; t++)
+        for (int64_t o = 0; o < W * bytes; o += 64) {
+            __builtin_prefetch((const char *)k_pages + slots[t] * W * bytes + o, 1, 3);
+            __builtin_prefetch((const char *)v_pages + slots[t] * W * bytes + o, 1, 3);
+        }
     for (int t = 0; t < T; t++) {
         const float *row = qkv + (int64_t)t * row_stride, *c = cos + (int64_t)t * R, *s = sin + (int64_t)t * R;
         for (int h = 0; h < Hq; h++) rope_span(row + (int64_t)h * D, c, s, q_out + ((int64_t)t * Hq + h) * D, R, 0, D);
