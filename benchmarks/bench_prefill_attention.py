@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,9 +27,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from benchmarks import kernel_builds
 from benchmarks.common import DEFAULT_OUT_DIR, machine_info, positive_int, print_machine, write_result
 from benchmarks.machine_roofs import format_roofs, measure_roofs
-from evalrun.kernels.cpu import native, paged_prefill
+from evalrun.kernels.cpu import paged_prefill
 from evalrun.kernels.attention import build_metadata
 from evalrun.kernels.ref.attention import attend
 from evalrun.kernels.ref.cache_ops import write_kv_torch
@@ -83,15 +83,7 @@ def case(lens: list[int], q_lens: list[int], seed: int = 0, kv: str = "fp32") ->
 def build_baseline(source: Path, out_dir: Path) -> ctypes.CDLL:
     """source built as native.py builds the current paged_prefill.c (its flags, the current csrc/ headers),
     loaded after the shared thread pool."""
-    if native.load(native.POOL) is None or native.compiler() is None:
-        raise SystemExit("no compiler or thread pool: cannot build the baseline")
-    lib_path = out_dir / "paged_prefill_baseline.so"
-    subprocess.run([native.compiler(), *native.FLAGS, "-I", str(native.CSRC), str(source), "-o", str(lib_path),
-                    *native.LIBS], check=True, capture_output=True, text=True, timeout=120)
-    lib = ctypes.CDLL(str(lib_path))
-    for fn, (restype, argtypes) in paged_prefill.SIGNATURES.items():
-        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
-    return lib
+    return kernel_builds.build(source, out_dir, "baseline", paged_prefill.SIGNATURES)
 
 
 def alternate(sides: dict[str, Any], rounds: int, repeat: int) -> dict[str, float]:
