@@ -160,3 +160,14 @@ def test_silu_epilogue_declines_what_it_does_not_fuse():
     assert gemm_bf16.gemm_silu(x, gemm_bf16.pack(w), 40) is None
     with pytest.raises(ValueError, match="matching the packed weight"):
         gemm_bf16.gemm_silu(x[:, :8], gemm_bf16.pack(w), 40)
+
+
+def test_streamed_logits_equal_the_stored_ones(path):
+    """A decode-shaped call with a megabyte-scale float32 output (an LM head) writes it with
+    non-temporal stores; its rows are bitwise those of small calls, which store normally."""
+    n, k, m = 65536, 24, 17                          # 17 x 65536 >= 2^20 floats: streamed
+    w, x = _case(n, k, m, seed=11)
+    panels = gemm_bf16.pack(w)
+    y = gemm_bf16.gemm(x, panels, n, out_dtype=torch.float32)
+    assert _same(y[5:6], gemm_bf16.gemm(x[5:6], panels, n, out_dtype=torch.float32))
+    assert _same(y, dot_bf16_reference(x, w))
