@@ -97,6 +97,11 @@ def test_a_rows_bits_do_not_depend_on_its_batch(path, n, k):
 
 
 def test_bias_residual_dtypes_and_layouts(path):
+    check_bias_residual_dtypes_and_layouts()
+
+
+def check_bias_residual_dtypes_and_layouts() -> None:
+    """The epilogue and the operand layouts on the path in use (also tests/test_gemm_bf16_amx.py)."""
     n, k, m = 70, 65, 11
     w, x = _case(n, k, m, seed=11)
     panels = gemm_bf16.pack(w)

@@ -23,7 +23,7 @@ import torch
 
 from evalrun.kernels.cpu import gemm_bf16
 from evalrun.kernels.ref.linear import PAIR_ORDERS, dot_bf16_reference
-from tests.test_gemm_bf16 import _case, _same
+from tests.test_gemm_bf16 import _case, _same, check_bias_residual_dtypes_and_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not gemm_bf16.available(), reason=f"{gemm_bf16.unavailable_reason()}")
@@ -183,13 +183,7 @@ def test_amx_bitwise_its_reference(amx, n, k, m):
 
 @needs_amx
 def test_amx_bias_residual_and_dtypes(amx):
-    n, k, m = 70, 65, 11
-    w, x = _case(n, k, m, seed=11)
-    panels = gemm_bf16.pack(w)
-    bias, residual = torch.randn(n), torch.randn(m, n)
-    plain = gemm_bf16.gemm(x, panels, n)
-    assert _same(gemm_bf16.gemm(x, panels, n, bias, residual), residual + (plain + bias))
-    assert _same(gemm_bf16.gemm(x.to(torch.bfloat16), panels, n), plain.to(torch.bfloat16))
+    check_bias_residual_dtypes_and_layouts()
 
 
 @needs_amx

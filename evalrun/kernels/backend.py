@@ -157,19 +157,18 @@ def _gated(act_mul: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.T
     return gate_up_act
 
 
-def _gate_up_silu_gemm(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-    """The SiLU in the native GEMM's epilogue (kernels/cpu/gemm.py gemm_silu: the same bits as the
-    GEMM then silu_mul, without the [T, 2I] product); one or two rows, or a biased projection
-    (the epilogue adds none), take those two calls."""
-    out = None if gate_up.bias is not None else gemm.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
-    return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
+def _silu_epilogue(gemm_silu: Callable[[torch.Tensor, torch.Tensor, int], Optional[torch.Tensor]]
+                   ) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
+    """The SiLU in a native GEMM's epilogue (kernels/cpu/gemm.py and gemm_bf16.py gemm_silu: the same
+    bits as the GEMM then silu_mul, without the [T, 2I] product); where that path declines (gemm.py:
+    one or two rows) or the projection has a bias (the epilogue adds none), those two calls."""
+    def gate_up_silu(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
+        out = None if gate_up.bias is not None else gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
+        return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
+    return gate_up_silu
 
 
-def _gate_up_silu_bf16(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-    """The SiLU in the native bf16 GEMM's epilogue (kernels/cpu/gemm_bf16.py gemm_silu: the same bits
-    as the GEMM then silu_mul); a biased projection (the epilogue adds none) takes those two calls."""
-    out = None if gate_up.bias is not None else gemm_bf16.gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
-    return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
+_gate_up_silu_gemm, _gate_up_silu_bf16 = _silu_epilogue(gemm.gemm_silu), _silu_epilogue(gemm_bf16.gemm_silu)
 
 
 def _rms_norm_f32_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

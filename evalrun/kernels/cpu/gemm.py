@@ -118,11 +118,16 @@ def epilogue_operands(bias: Optional[torch.Tensor], residual: Optional[torch.Ten
     return bias, residual
 
 
-def _rows(x: torch.Tensor, panels: torch.Tensor, n: int, what: str) -> tuple[ctypes.CDLL, torch.Tensor]:
-    """The library and x as [M, K] rows with contiguous columns, checked against panels of N rows."""
-    lib = _lib()
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [M, K] rows with contiguous columns (a view where it already is one; also gemm_bf16.py)."""
     if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
         x = x.reshape(-1, x.shape[-1]).contiguous()
+    return x
+
+
+def _rows(x: torch.Tensor, panels: torch.Tensor, n: int, what: str) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and x as [M, K] rows with contiguous columns, checked against panels of N rows."""
+    lib, x = _lib(), as_rows(x)
     if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu"
             or panels.numel() != lib.gemm_packed_floats(n, x.shape[1])):
         raise ValueError(f"{what} takes float32 CPU rows [M, K] matching the packed weight's K, got "
@@ -130,7 +135,7 @@ def _rows(x: torch.Tensor, panels: torch.Tensor, n: int, what: str) -> tuple[cty
     return lib, x
 
 
-def _ldx(x: torch.Tensor) -> int:
+def row_stride(x: torch.Tensor) -> int:
     """x's row stride; one row: its width (torch may report any row stride for it)."""
     return x.stride(0) if x.shape[0] > 1 else x.shape[1]
 
@@ -145,7 +150,7 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Ten
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
-    rc = lib.gemm_f32(x.data_ptr(), m, k, _ldx(x), panels.data_ptr(), n,
+    rc = lib.gemm_f32(x.data_ptr(), m, k, row_stride(x), panels.data_ptr(), n,
                       None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                       y.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -163,7 +168,7 @@ def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.T
     if not lib.gemm_silu_supported(m, i):
         return None
     out = torch.empty(m, i, dtype=torch.float32)
-    rc = lib.gemm_silu_f32(x.data_ptr(), m, k, _ldx(x), panels.data_ptr(), i, out.data_ptr(),
+    rc = lib.gemm_silu_f32(x.data_ptr(), m, k, row_stride(x), panels.data_ptr(), i, out.data_ptr(),
                            torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"gemm_silu cannot take x {tuple(x.shape)} with I={i}")

@@ -25,7 +25,7 @@ import torch
 
 from . import native
 from .host import cpu_flags
-from .gemm import epilogue_operands, pack_into
+from .gemm import as_rows, epilogue_operands, pack_into, row_stride
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {
@@ -116,26 +116,30 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
                      None if lib is None else lib.gemm_bf16_pack, "gemm_bf16.pack")
 
 
+def _rows(x: torch.Tensor, panels: torch.Tensor, n: int, what: str, ok: bool, shape: str) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and x as rows [M, K] with unit column stride, checked against the packed weight of N
+    outputs (ok: the caller's own condition on its other arguments); ValueError naming them otherwise."""
+    lib, x = _lib(), as_rows(x)
+    if (lib is None or not ok or x.dtype not in OUT_DTYPES or x.device.type != "cpu"
+            or panels.numel() != lib.gemm_bf16_packed_u16(n, x.shape[1])):
+        raise ValueError(f"{what} takes float32/bfloat16 CPU rows [M, K] matching the packed weight's K, "
+                         f"got {tuple(x.shape)} {x.dtype} {x.device} for {shape}")
+    return lib, x
+
+
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
          residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """residual + (bf16(x) @ W^T + bias) for x [M, K] float32 or bfloat16 CPU rows, W packed by `pack`;
     bias [N] and residual [M, N] taken as float32. Returns a new [M, N] tensor of out_dtype
     (default x's dtype), rounded once at the end."""
-    lib = _lib()
-    if x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
-    m, k = x.shape
     out_dtype = out_dtype or x.dtype
-    if (lib is None or x.dtype not in OUT_DTYPES or x.device.type != "cpu" or out_dtype not in OUT_DTYPES
-            or panels.numel() != lib.gemm_bf16_packed_u16(n, k)):
-        raise ValueError(f"gemm_bf16 takes float32/bfloat16 CPU rows [M, K] matching the packed weight's K, "
-                         f"got {tuple(x.shape)} {x.dtype} {x.device} for N={n}, out {out_dtype}")
+    lib, x = _rows(x, panels, n, "gemm_bf16", out_dtype in OUT_DTYPES, f"N={n}, out {out_dtype}")
+    m, k = x.shape
     bias, residual = epilogue_operands(bias, residual, m, n)
     y = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
         return y
-    ldx = x.stride(0) if m > 1 else k
-    rc = lib.gemm_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, ldx, panels.data_ptr(), n,
+    rc = lib.gemm_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, row_stride(x), panels.data_ptr(), n,
                        None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                        y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
@@ -155,21 +159,15 @@ def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.T
     2I rows, in one pass (the [M, 2I] product is never written): bitwise silu_mul_native of `gemm`'s
     float32 output. None where this path does not apply (`silu_fusable`): the caller makes the two
     calls."""
-    lib = _lib()
-    if x.dim() != 2 or x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
-    m, k = x.shape
-    if (lib is None or x.dtype not in OUT_DTYPES or x.device.type != "cpu"
-            or panels.numel() != lib.gemm_bf16_packed_u16(2 * i, k)):
-        raise ValueError(f"gemm_bf16.gemm_silu takes float32/bfloat16 CPU rows [M, K] matching the packed weight's "
-                         f"K, got {tuple(x.shape)} {x.dtype} {x.device} for I={i}")
+    lib, x = _rows(x, panels, 2 * i, "gemm_bf16.gemm_silu", True, f"I={i}")
     if not lib.gemm_bf16_silu_supported(i):
         return None
+    m, k = x.shape
     out = torch.empty(m, i, dtype=torch.float32)
     if m == 0:
         return out
-    rc = lib.gemm_bf16_silu(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, x.stride(0) if m > 1 else k,
-                            panels.data_ptr(), i, out.data_ptr(), torch.get_num_threads())
+    rc = lib.gemm_bf16_silu(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, row_stride(x), panels.data_ptr(), i,
+                            out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"gemm_bf16.gemm_silu cannot take x {tuple(x.shape)} with I={i}")
     return out

@@ -215,22 +215,26 @@ static void bf_tile(const bf_Gemm *g, int R, int P, const uint32_t *x0, int64_t 
 #endif
 }
 
-/* Panels [pb, pe) for all rows: blocks of rows that stay in L2, split evenly into tiles of at most
- * BF_ZR rows; per group of P panels and k-block, every bf_tile of the block on the block's slice. */
-/* The range claimed after this one, claimed when this one's last slice starts (so that slice's
- * tiles prefetch the next range's first, and a thread holds no range it has not started on). */
+/* The range a thread takes after its current one, claimed only when the current one's last slice
+ * starts: that slice's tiles prefetch the next range's first slice, and a thread holds a range it
+ * has not started only for one slice (claimed at the start, one thread took both of 2 ranges). */
 typedef struct {
     int claimed, has, ub, ue;
 } bf_Next;
 
+static int bf_units(const bf_Gemm *g) { return (g->np + g->group - 1) / g->group; }
+
+/* the next range's first panel, claiming the range if not yet done; -1 where there is none */
 static int bf_next_panel(bf_Gemm *g, bf_Next *nx) {
     if (!nx->claimed) {
         nx->claimed = 1;
-        nx->has = bf_claim(g, (g->np + g->group - 1) / g->group, &nx->ub, &nx->ue);
+        nx->has = bf_claim(g, bf_units(g), &nx->ub, &nx->ue);
     }
     return nx->has && nx->ub * g->group < g->np ? nx->ub * g->group : -1;
 }
 
+/* Panels [pb, pe) for all rows: blocks of rows that stay in L2, split evenly into tiles of at most
+ * BF_ZR rows; per group of P panels and k-block, every bf_tile of the block on the block's slice. */
 static void bf_rows_by_panels(bf_Gemm *g, int pb, int pe, bf_Next *nx) {
     const int K2 = g->K2, PG = g->M <= 2 ? BF_FEW_P : BF_ZP;
     const int64_t ps = (int64_t)K2 * BF_PW;
@@ -293,7 +297,7 @@ static void bf_run_part(void *ctx, int tid, int nth) {
     bf_csr_caller = csr;
     if (g->native == 1) _mm_setcsr(csr | 0x8040u);
 #endif
-    const int units = (g->np + g->group - 1) / g->group;
+    const int units = bf_units(g);
     bf_Next nx = {1, 0, 0, 0};
     nx.has = bf_claim(g, units, &nx.ub, &nx.ue);
     while (nx.has) {
@@ -349,7 +353,7 @@ static uint32_t *bf_x_pairs(const void *x, int x_bf16, int M, int K, int64_t ldx
 }
 
 static int bf_launch(bf_Gemm *g, int64_t work, int nthreads) {
-    const int units = (g->np + g->group - 1) / g->group;
+    const int units = bf_units(g);
     int nth = nthreads < 1 ? 1 : nthreads;
     if (nth > units) nth = units;
     if (work < 65536) nth = 1;
