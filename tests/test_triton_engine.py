@@ -115,12 +115,13 @@ def build(fn, types, consts):
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
 ptrs = lambda names, t: dict.fromkeys(names, t)
-for kv, q, bits, window, native in [("*bf16", "*bf16", (0, 0), 0, True), ("*u8", "*fp32", (8, 4), 128, False)]:
+for kv, q, bits, window, native in [("*bf16", "*bf16", (0, 0), 0, True), ("*u8", "*fp32", (8, 4), 128, False),
+                                    ("*bf16", "*fp32", (0, 0), 0, False)]:      # the last: q rounded (ROUND_Q)
     types = {**ptrs(["q_ptr", "out_ptr"], q), **ptrs(["k_ptr", "v_ptr"], kv), "scale_log2": "fp32", "cap_log2": "fp32",
              **ptrs(["ks_ptr", "vs_ptr", "wk_ptr", "wv_ptr"], "*fp16"), **ptrs(["acc_ptr", "ml_ptr"], "*fp32"),
              **ptrs(["wslot_ptr", "wstart_ptr", "table_ptr", "lens_ptr", "cu_q_ptr"], "*i32")}
     common = dict(HKV=8, GQA=4, D=128, PAGE=256, K_BITS=bits[0], V_BITS=bits[1], GROUP=32, NATIVE=native,
-                  EMULATE=False, BLOCK_N=64, BLOCK_D=128)
+                  EMULATE=False, BLOCK_N=64, BLOCK_D=128, ROUND_Q=kv == "*bf16" and q != "*bf16")
     for variant in (dict(SLIDING=False, SOFTCAP=False), dict(SLIDING=True, SOFTCAP=True)):   # sliding window, soft-capping
         build(ta.kernels()._decode_kernel, types, dict(common, **variant, WINDOW=window, BLOCK_G=16))
         if not window:

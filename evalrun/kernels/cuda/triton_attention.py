@@ -100,7 +100,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
                    HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, WINDOW: tl.constexpr,
                    NATIVE: tl.constexpr, EMULATE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   ROUND_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,6 +115,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, wk_ptr, wv_ptr, wslot_pt
     heads = kh * GQA + g                                                          # [G]
     q = tl.load(q_ptr + b.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h + col[None, :],
                 mask=(g < GQA)[:, None] & dmask[None, :], other=0.0)              # [G, D]
+    if ROUND_Q:                    # bfloat16 keys: q rounded to bfloat16 (kernels/ref/attention.py)
+        q = cast(q, tl.bfloat16, EMULATE).to(tl.float32)
     w_slot = 0
     w_start = 0
     if WINDOW > 0:
@@ -182,7 +184,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, len
                     HKV: tl.constexpr, GQA: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr,
                     NATIVE: tl.constexpr, EMULATE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    ROUND_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = first_seq + tl.program_id(0)
     h = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -199,6 +201,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, table_ptr, len
         tok = (q_start + rows).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * q_stride_t + h * q_stride_h + col[None, :],
                     mask=rmask[:, None] & dmask[None, :], other=0.0)              # [M, D]
+        if ROUND_Q:
+            q = cast(q, tl.bfloat16, EMULATE).to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -235,7 +239,8 @@ def _format_args(q: torch.Tensor, layer: LayerKV) -> dict:
     native = not fmt.quantized and layer.k.dtype == q.dtype and q.dtype != torch.float32
     return dict(HKV=layer.num_kv_heads, GQA=q.shape[1] // layer.num_kv_heads, D=layer.head_dim,
                 PAGE=layer.page_size, K_BITS=fmt.k_bits or 0, V_BITS=fmt.v_bits or 0, GROUP=fmt.group_size,
-                NATIVE=native, EMULATE=interpreting(), BLOCK_D=max(16, next_power_of_2(layer.head_dim)))
+                NATIVE=native, EMULATE=interpreting(), BLOCK_D=max(16, next_power_of_2(layer.head_dim)),
+                ROUND_Q=layer.k.dtype == torch.bfloat16 and q.dtype != torch.bfloat16)
 
 
 def _variant_args(sliding_window: int, softcap: float) -> dict:

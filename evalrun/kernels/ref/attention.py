@@ -17,6 +17,10 @@ part of the block computed in earlier forwards, from the job's block of the wind
 which `attend` keeps: a decode token is stored before the kernel reads it, a prefill
 sequence's last partial block after its attention.
 
+Pages of bfloat16 keys are scored against q rounded to bfloat16 (`scoring_query`), as torch's bf16
+attention and flash-attention score them: each product of a key and a query element is then exact
+in float32, which lets the native CPU kernels use the AVX512_BF16 dot instruction.
+
 A layer with a sliding window of W (a model's, unrelated to the cache's recent-token window)
 lets the query at position t attend the keys at positions t - W < p <= t only (transformers'
 sliding_window_overlay); every path here takes it as `sliding_window` (0: full attention).
@@ -74,13 +78,19 @@ def attend(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale: floa
         if fresh is not None:
             _prefill_windowed(q, fresh, layer, seq, scale, out, sliding_window, softcap)
             continue
-        qs = q[seq.q_start: seq.q_start + seq.q_len]                             # [q, Hq, D]
+        qs = scoring_query(q[seq.q_start: seq.q_start + seq.q_len], layer)       # [q, Hq, D]
         k, v = gather_kv(layer, seq.slots, q.dtype)                              # [L, Hkv, D]
         mask = sliding_mask(meta, seq, sliding_window) if sliding_window else seq.mask
         out[seq.q_start: seq.q_start + seq.q_len] = _sdpa(qs, k, v, mask, scale, softcap)
     if fresh is not None:                     # after every read: a sequence's last partial block
         store_window(layer, fresh, *meta.window_store_prefill)
     return rotation(out, fmt.group_size).to(q.dtype) if fmt.rotate else out
+
+
+def scoring_query(q: torch.Tensor, layer: LayerKV) -> torch.Tensor:
+    """q as the scores read it: rounded to bfloat16 (to nearest even) where the pages hold bfloat16
+    keys, else unchanged; in q's dtype."""
+    return q.to(torch.bfloat16).to(q.dtype) if layer.k.dtype == torch.bfloat16 else q
 
 
 def key_in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
@@ -198,7 +208,7 @@ def decode_torch(q: torch.Tensor, layer: LayerKV, meta: AttentionMetadata, scale
     k, v = k.view(bd, lmax, hkv, d), v.view(bd, lmax, hkv, d)                  # [Bd, L, Hkv, D]
     if layer.fmt.window:
         k, v = window_overlay(layer, meta, k, v, meta.seq_lens_k[:bd])
-    qs = q.view(bd, hkv, group, d).float()                                     # [Bd, Hkv, G, D]
+    qs = scoring_query(q, layer).view(bd, hkv, group, d).float()               # [Bd, Hkv, G, D]
     masked = ~decode_mask[:, 0]                                            # [Bd, 1, L]
     if sliding_window:                   # positions before the last `sliding_window`
         first = meta.seq_lens_k[:bd].long() - sliding_window

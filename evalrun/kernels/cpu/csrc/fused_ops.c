@@ -145,17 +145,9 @@ int gelu_tanh_mul_f32(const float *gate_up, float *out, int T, int I, int nthrea
     return run(2, gate_up, 0, out, T, I, 0.0f, nthreads);
 }
 
-/* One float32 value rounded to bfloat16 / float16, to nearest even as torch's .to(dtype): overflow
- * goes to +-inf, NaN stays NaN (quieted: sign and top payload bits kept, as the F16C instruction
- * does). Subnormal float32 inputs are rounded, not flushed (so not _mm512_cvtneps_pbh: AVX512_BF16
- * flushes them to zero, torch does not). */
-static inline uint16_t bf16_from_f32(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
-
+/* One float32 value rounded to float16, to nearest even as torch's .to(dtype) (bfloat16:
+ * kv_load.h's bf16_from_f32): overflow goes to +-inf, NaN stays NaN (quieted: sign and top payload
+ * bits kept, as the F16C instruction does). */
 static inline uint16_t f16_from_f32(float f) {
 #if defined(__F16C__)
     return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);

@@ -23,6 +23,17 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+/* One float32 value rounded to bfloat16, to nearest even as torch's .to(torch.bfloat16): overflow
+ * goes to +-inf, NaN stays NaN (quieted: sign and top payload bits kept). Subnormal float32 inputs
+ * are rounded, not flushed (so not _mm512_cvtneps_pbh: AVX512_BF16 flushes them to zero, torch
+ * does not). */
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);

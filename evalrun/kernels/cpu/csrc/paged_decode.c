@@ -30,6 +30,11 @@
  * stays in L1: the context is never copied, so a 4-bit cache moves about a quarter
  * of the bytes of a 16-bit one through attention.
  *
+ * bfloat16 keys: every path scores q rounded to bfloat16 (to nearest even), as torch's bf16
+ * attention and flash-attention do: each product of a key element and a query element is then
+ * exact in float32, so on a CPU with AVX512_BF16 the scores are vdpbf16ps (paged_decode_z.h),
+ * elsewhere float32 multiply-adds of the same values; only the order of the adds differs.
+ *
  * Work is split over sequences, claimed one at a time by the threads of the shared pool
  * (pool.h); a sequence's query
  * heads are scored against every key (exact two-pass softmax), then V is summed with
@@ -317,6 +322,10 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     }
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     const int P0 = first_position(L, a->sliding), n_keys = L - P0;   /* scores[p - P0] */
+    if (a->k_kind == KIND_BF16) {   /* bfloat16 keys: q rounded to bfloat16 (acc is free until the values) */
+        for (int i = 0; i < Hq * D; i++) acc[i] = bf16_to_f32(bf16_from_f32(q[i]));
+        q = acc;
+    }
     const float *rows[ROWS_MAX];
     Window wk = {a->wk, a->w_kind, a->wk ? a->win_start[b] : L, a->wk ? (int64_t)a->win_slot[b] * a->WW : 0};
     Window wv = wk;

@@ -115,18 +115,59 @@ static inline __attribute__((always_inline)) void score_tile16(const int KIND, c
             if (p < m) _mm512_store_ps(tmp + (g * FAST_BLOCK + p) * 16, acc[g][p]);
 }
 
-/* out[g * ostride + p] = q[g] . k[p] for the Gq query heads sharing the n <= FAST_BLOCK keys k. */
-static inline __attribute__((always_inline)) void score_block16(const int KIND, const float *q, int Gq, int D,
-                                                                 const void *const *k, int n, float *out,
-                                                                 int64_t ostride) {
+#if defined(__AVX512BF16__)
+#define DOT_BF16 1
+/* score_tile16 for bfloat16 keys and q (qb [HG, D], rounded to bfloat16, columns in order): one
+ * vdpbf16ps per 32 columns, head and key (products exact, two adds per lane and pair as the
+ * instruction does them); the last 16 columns of a head size with D % 32 = 16 zero-extended. */
+static inline __attribute__((always_inline)) void score_tile_dot(const int HG, const uint16_t *qb, int D,
+                                                                  const void *const *k, int m, float *tmp) {
+    const uint16_t *kr[4] = {(const uint16_t *)k[0], (const uint16_t *)k[m > 1 ? 1 : 0],
+                             (const uint16_t *)k[m > 2 ? 2 : 0], (const uint16_t *)k[m > 3 ? 3 : 0]};
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int g = 0; g < HG; g++)
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) acc[g][p] = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 32) {
+        const __mmask32 lanes = D - c >= 32 ? ~(__mmask32)0 : (__mmask32)0xffffu;
+        __m512i x[4];
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++) x[p] = _mm512_maskz_loadu_epi16(lanes, kr[p] + c);
+        _Pragma("GCC unroll 4") for (int g = 0; g < HG; g++) {
+            const __m512i qv = _mm512_maskz_loadu_epi16(lanes, qb + g * D + c);
+            _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++)
+                acc[g][p] = _mm512_dpbf16_ps(acc[g][p], (__m512bh)qv, (__m512bh)x[p]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int g = 0; g < HG; g++)
+        _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++)
+            if (p < m) _mm512_store_ps(tmp + (g * FAST_BLOCK + p) * 16, acc[g][p]);
+}
+#else
+#define DOT_BF16 0
+#endif
+
+/* out[g * ostride + p] = q[g] . k[p] for the Gq query heads sharing the n <= FAST_BLOCK keys k; q:
+ * float32 in tile order, or with DOT bfloat16 in column order (score_tile_dot). */
+static inline __attribute__((always_inline)) void score_block16(const int KIND, const int DOT, const void *qh,
+                                                                 int Gq, int D, const void *const *k, int n,
+                                                                 float *out, int64_t ostride) {
     float tmp[4 * FAST_BLOCK * 16] __attribute__((aligned(64)));
     const __mmask16 keep = (__mmask16)((1u << n) - 1);
     for (int g0 = 0; g0 < Gq; g0 += 4) {
         const int hg = Gq - g0 < 4 ? Gq - g0 : 4;
-        const float *qg = q + (int64_t)g0 * D;
+        const float *qg = (const float *)qh + (int64_t)g0 * D;
         for (int p = 0; p < n; p += 4) {
             const int m = n - p < 4 ? n - p : 4;
             float *t = tmp + p * 16;
+#if DOT_BF16
+            if (DOT) {
+                const uint16_t *qb = (const uint16_t *)qh + (int64_t)g0 * D;
+                if (hg == 4) score_tile_dot(4, qb, D, k + p, m, t);
+                else if (hg == 3) score_tile_dot(3, qb, D, k + p, m, t);
+                else if (hg == 2) score_tile_dot(2, qb, D, k + p, m, t);
+                else score_tile_dot(1, qb, D, k + p, m, t);
+                continue;
+            }
+#endif
             if (hg == 4) score_tile16(KIND, 4, qg, D, k + p, m, t);
             else if (hg == 3) score_tile16(KIND, 3, qg, D, k + p, m, t);
             else if (hg == 2) score_tile16(KIND, 2, qg, D, k + p, m, t);
@@ -244,7 +285,7 @@ static inline int fast_path(const Args *a) {
 }
 
 /* Sequence b as sequence() computes it, on the tiles above; next (or -1): the sequence this
- * thread takes after it. qt: [Hq, D] scratch for q in tile order. */
+ * thread takes after it. qt: [Hq, D] scratch for q as the score tiles read it (bfloat16 keys: rounded). */
 static inline __attribute__((always_inline)) void sequence16(const int KIND, const Args *a, int b, int next,
                                                               float *scores, float *acc, float *inv_sum, float *qt) {
     const int Hq = a->Hq, Hkv = a->Hkv, Gq = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
@@ -266,10 +307,15 @@ static inline __attribute__((always_inline)) void sequence16(const int KIND, con
     const Window none = {NULL, 0, L, 0};
     int64_t slot[FAST_BLOCK];
     const void *rows[FAST_BLOCK];
-    if (KIND == KIND_BF16) {
+    const int dot = KIND == KIND_BF16 && DOT_BF16;
+    if (dot) {                      /* q rounded to bfloat16, columns in order (score_tile_dot) */
+        uint16_t *qb = (uint16_t *)qt;
+        for (int i = 0; i < Hq * D; i++) qb[i] = bf16_from_f32(q[i]);
+    } else if (KIND == KIND_BF16) { /* q rounded to bfloat16, in tile order (load32) */
         for (int hq = 0; hq < Hq; hq++) bf16_order(qt + (int64_t)hq * D, q + (int64_t)hq * D, D, 0);
-        q = qt;
+        for (int i = 0; i < Hq * D; i++) qt[i] = bf16_to_f32(bf16_from_f32(qt[i]));
     }
+    const void *qh = KIND == KIND_BF16 ? (const void *)qt : (const void *)q;
     prefetch_ahead(&keys, &values, slot_bytes, S, P0, P0 + FAST_PFD);
     for (int p0 = P0; p0 < L; p0 += FAST_BLOCK) {
         const int n = L - p0 < FAST_BLOCK ? L - p0 : FAST_BLOCK;
@@ -277,7 +323,10 @@ static inline __attribute__((always_inline)) void sequence16(const int KIND, con
         for (int h = 0; h < Hkv; h++) {       /* the block FAST_PFD ahead, a share before each head */
             prefetch_ahead(&keys, &values, slot_bytes, S, p0 + FAST_PFD + h * n / Hkv, p0 + FAST_PFD + (h + 1) * n / Hkv);
             for (int p = 0; p < n; p++) rows[p] = kc + (slot[p] * W + (int64_t)h * D) * es;
-            score_block16(KIND, q + (int64_t)h * Gq * D, Gq, D, rows, n, scores + h * Gq * lmax + p0 - P0, lmax);
+            const void *qg = dot ? (const void *)((const uint16_t *)qh + (int64_t)h * Gq * D)
+                                 : (const void *)((const float *)qh + (int64_t)h * Gq * D);
+            if (dot) score_block16(KIND, 1, qg, Gq, D, rows, n, scores + h * Gq * lmax + p0 - P0, lmax);
+            else score_block16(KIND, 0, qg, Gq, D, rows, n, scores + h * Gq * lmax + p0 - P0, lmax);
         }
     }
     for (int hq = 0; hq < Hq; hq++) {

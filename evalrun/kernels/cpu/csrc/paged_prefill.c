@@ -24,6 +24,7 @@
  *   s[p] = (q . k[p]) * scale   one multiply-add chain over d in order,
  *   w[p] = exp(s[p] - max)      over the row's keys p <= its position (the rest weigh 0),
  *   out  = (sum over p in order of w[p] v[p]) * (1 / sum over p in order of w[p]).
+ * With bfloat16 keys q is rounded to bfloat16 first, as in paged_decode.c (every product exact).
  * Nothing in a row's arithmetic depends on the other rows, the task's size or the batch, so a
  * token's output is bitwise the same however its sequence is chunked or batched (batch invariance).
  * The head's K and V rows are read through the page table into per-thread float32 buffers (copied,
@@ -258,11 +259,13 @@ static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, co
 #include "paged_prefill_window.h"   /* softmax_rows_window, cap_rows */
 
 /* qt [D][rp] = the task's R query rows transposed (row r = j * G + g at q + j * ldj + g * D), rows
- * R .. nvec * VW - 1 zero. */
-static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, int D, int64_t rp, float *qt) {
+ * R .. nvec * VW - 1 zero; bf16: each value rounded to bfloat16 (the keys are bfloat16: see the top). */
+static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, int D, int64_t rp, int bf16,
+                           float *qt) {
     for (int r = 0; r < nvec * VW; r++) {    /* stores, not gathers: AMD's gathers cost ~1 cycle a lane */
         const float *qr = r < R ? q + (int64_t)(r / G) * ldj + (int64_t)(r % G) * D : 0;
-        for (int d = 0; d < D; d++) qt[(int64_t)d * rp + r] = qr ? qr[d] : 0.0f;
+        for (int d = 0; d < D; d++)
+            qt[(int64_t)d * rp + r] = !qr ? 0.0f : bf16 ? bf16_to_f32(bf16_from_f32(qr[d])) : qr[d];
     }
 }
 
@@ -319,7 +322,7 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
         lim[r] = (float)(pos + 1);
         wlo[r] = r < R ? (float)(a->sliding > 0 && pos + 1 > a->sliding ? pos + 1 - a->sliding : 0) : (float)kfirst;
     }
-    transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, qt);
+    transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, a->k_kind == KIND_BF16, qt);
     const vec sv = VSET1(a->scale);
     for (int v0 = 0; v0 < nvec; v0 += RV) {
         const int nv = nvec - v0 < RV ? nvec - v0 : RV;
