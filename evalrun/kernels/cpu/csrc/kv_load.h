@@ -34,6 +34,18 @@ static inline uint16_t bf16_from_f32(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+/* x[0 .. n) rounded to bfloat16 values in place (bf16_from_f32's rounding, kept as float32), in a
+ * loop the compiler vectorizes. */
+static inline void round_bf16(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) & 0xffff0000u
+                                                            : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        memcpy(x + i, &r, sizeof r);
+    }
+}
+
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);

@@ -323,7 +323,8 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     const int32_t *pages = a->page_table + (int64_t)b * a->max_pages;
     const int P0 = first_position(L, a->sliding), n_keys = L - P0;   /* scores[p - P0] */
     if (a->k_kind == KIND_BF16) {   /* bfloat16 keys: q rounded to bfloat16 (acc is free until the values) */
-        for (int i = 0; i < Hq * D; i++) acc[i] = bf16_to_f32(bf16_from_f32(q[i]));
+        memcpy(acc, q, sizeof(float) * (size_t)Hq * D);
+        round_bf16(acc, (int64_t)Hq * D);
         q = acc;
     }
     const float *rows[ROWS_MAX];

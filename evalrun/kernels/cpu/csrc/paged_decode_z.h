@@ -313,7 +313,7 @@ static inline __attribute__((always_inline)) void sequence16(const int KIND, con
         for (int i = 0; i < Hq * D; i++) qb[i] = bf16_from_f32(q[i]);
     } else if (KIND == KIND_BF16) { /* q rounded to bfloat16, in tile order (load32) */
         for (int hq = 0; hq < Hq; hq++) bf16_order(qt + (int64_t)hq * D, q + (int64_t)hq * D, D, 0);
-        for (int i = 0; i < Hq * D; i++) qt[i] = bf16_to_f32(bf16_from_f32(qt[i]));
+        round_bf16(qt, (int64_t)Hq * D);
     }
     const void *qh = KIND == KIND_BF16 ? (const void *)qt : (const void *)q;
     prefetch_ahead(&keys, &values, slot_bytes, S, P0, P0 + FAST_PFD);

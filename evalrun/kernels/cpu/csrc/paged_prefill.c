@@ -259,14 +259,14 @@ static void softmax_rows(float *sc, int64_t rp, int nvec, int shared, int nk, co
 #include "paged_prefill_window.h"   /* softmax_rows_window, cap_rows */
 
 /* qt [D][rp] = the task's R query rows transposed (row r = j * G + g at q + j * ldj + g * D), rows
- * R .. nvec * VW - 1 zero; bf16: each value rounded to bfloat16 (the keys are bfloat16: see the top). */
+ * R .. nvec * VW - 1 zero; bf16: every value rounded to bfloat16 (the keys are bfloat16: see the top). */
 static void transpose_rows(const float *q, int G, int64_t ldj, int R, int nvec, int D, int64_t rp, int bf16,
                            float *qt) {
     for (int r = 0; r < nvec * VW; r++) {    /* stores, not gathers: AMD's gathers cost ~1 cycle a lane */
         const float *qr = r < R ? q + (int64_t)(r / G) * ldj + (int64_t)(r % G) * D : 0;
-        for (int d = 0; d < D; d++)
-            qt[(int64_t)d * rp + r] = !qr ? 0.0f : bf16 ? bf16_to_f32(bf16_from_f32(qr[d])) : qr[d];
+        for (int d = 0; d < D; d++) qt[(int64_t)d * rp + r] = qr ? qr[d] : 0.0f;
     }
+    if (bf16) round_bf16(qt, (int64_t)D * rp);
 }
 
 /* Task t: sequence b, KV head h, query positions [i0, i0 + QT) (at most) of the sequence's new tokens. */
