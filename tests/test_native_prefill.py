@@ -198,3 +198,21 @@ def test_a_non_finite_value_reaches_only_the_rows_that_see_it(bad):
     parts = [paged_prefill.paged_prefill_native(q[i:i + 1], layer, table, torch.tensor([i + 1], dtype=torch.int32),
                                                 torch.tensor([1]), 0.125) for i in range(40)]
     assert torch.equal(torch.cat(parts)[:at], whole[:at])
+
+
+@pytest.mark.parametrize("mode,rounds", [("bf16", True), ("fp32", False), ("fp16", False)])
+def test_prefill_scores_q_rounded_to_bf16_on_bf16_pages(mode, rounds):
+    """Keys in bfloat16 are scored against q rounded to bfloat16, as in the decode kernel and the
+    reference (scoring_query): a float32 q gives bitwise the output of that q rounded first; other
+    page kinds keep q as it is."""
+    _need_native()
+    lens = [40, 130]
+    q, layer, meta = _paged_case(9, 3, 64, 16, lens, mode, seed=11, q_lens=[40, 20])
+    for t in layer.data_tensors():
+        t.nan_to_num_(0.0)
+    q = q * 1.2345
+    n = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+
+    def run(x):
+        return paged_prefill.paged_prefill_native(x, layer, meta.page_table, meta.seq_lens_k, n, 0.125)
+    assert torch.equal(run(q), run(q.bfloat16().float())) == rounds

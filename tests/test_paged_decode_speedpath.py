@@ -72,3 +72,23 @@ def test_rows_are_bitwise_invariant_to_batch_and_threads(monkeypatch, mode):
         one = paged_decode.paged_decode_native(q[b:b + 1], layer, meta.page_table[b:b + 1],
                                                meta.seq_lens_k[b:b + 1], 0.125)
         assert torch.equal(one, full[b:b + 1])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (10, 2, 80), (4, 4, 16)])
+def test_bf16_pages_score_q_rounded_to_bf16(hq, hkv, d):
+    """Keys in bfloat16 are scored against q rounded to bfloat16 (kernels/ref/attention.py
+    scoring_query): a float32 q gives bitwise the output of that q rounded first, on whichever tile
+    path this CPU takes (vdpbf16ps with AVX512_BF16), and an fp32-page cache does not round."""
+    _need_native()
+    lens = [1, 17, 130, 300]
+    q, layer, meta = _case("bf16", hq, hkv, d, 16, lens, seed=d)
+    q = q * 1.2345                                            # not bfloat16 values
+    rounded = q.bfloat16().float()
+    assert not torch.equal(q, rounded)
+    out = paged_decode.paged_decode_native(q, layer, meta.page_table, meta.seq_lens_k, d ** -0.5)
+    assert torch.equal(out, paged_decode.paged_decode_native(rounded, layer, meta.page_table, meta.seq_lens_k, d ** -0.5))
+    q32, layer32, meta32 = _case("fp32", hq, hkv, d, 16, lens, seed=d)
+    q32 = q32 * 1.2345
+    assert not torch.equal(paged_decode.paged_decode_native(q32, layer32, meta32.page_table, meta32.seq_lens_k, 0.125),
+                           paged_decode.paged_decode_native(q32.bfloat16().float(), layer32, meta32.page_table,
+                                                            meta32.seq_lens_k, 0.125))
