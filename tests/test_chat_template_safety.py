@@ -63,8 +63,10 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 BOMBS = {
     "loop": ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
              "{% endfor %}{% endfor %}{% endfor %}", "CPU time"),
+    # doubling: stopped by whichever bound comes first. Its strings fault in ~1 GiB of fresh pages before
+    # the memory bound, which took 0.97 s of system CPU on one machine (2026-12-05), near FAST's 1 s.
     "doubling": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
-                 "{{ ns.s }}", "memory bound"),
+                 "{{ ns.s }}", ("memory bound", "CPU time")),
     "multiplication": ("{{ 'x' * 10**10 }}", "memory bound"),
     "filter_argument": ("{{ 'a' | center(10**10) }}", "memory bound"),
     "output": ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "more than"),
@@ -194,7 +196,8 @@ def test_bombs_are_stopped_in_one_line(tmp_path, tokenizer_json, name):
         tok.apply_chat_template(CHATS[0])
     assert time.monotonic() - start < 15                       # a bound, not a benchmark
     message = str(info.value)
-    assert message.startswith(f"chat template {model / 'chat_template.jinja'}: rendering ") and says in message
+    assert message.startswith(f"chat template {model / 'chat_template.jinja'}: rendering ")
+    assert any(bound in message for bound in ((says,) if isinstance(says, str) else says)), message
     assert "\n" not in message and not isinstance(info.value, ChatTemplateRenderError)
     tok.close()
 

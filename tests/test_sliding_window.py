@@ -12,7 +12,7 @@ from evalrun.kernels.attention import build_metadata
 from evalrun.kernels.backend import NativeCpuKernels, TorchKernels
 from evalrun.kernels.cpu import paged_decode
 from evalrun.kernels.kv_format import KV_FORMATS
-from evalrun.kernels.ref.attention import decode_torch
+from evalrun.kernels.ref.attention import decode_torch, scoring_query
 from evalrun.kernels.ref.cache_ops import gather_kv
 from evalrun.kernels.ref.kv_quant import rotate
 from tests.test_native_kernels import _need_native, _paged_case
@@ -47,7 +47,7 @@ def test_decode_reference_is_the_dense_window(mode, window):
     for b, n in enumerate(lens):
         slots = torch.tensor([meta.page_table[b, p // page_size] * page_size + p % page_size for p in range(n)])
         k, v = gather_kv(layer, slots, torch.float32)
-        want = dense_window(q[b: b + 1], k, v, [n - 1], window, scale)
+        want = dense_window(scoring_query(q[b: b + 1], layer), k, v, [n - 1], window, scale)
         torch.testing.assert_close(got[b: b + 1].double(), want, atol=2e-6, rtol=1e-5)
     if window < max(lens):               # the window changes the result where a context outgrows it
         assert not torch.allclose(got, decode_torch(q, layer, meta, scale), atol=1e-3)

@@ -176,7 +176,7 @@ typedef struct {
     int b, h, lo, n;
 } HeadRows;
 
-#include "paged_prefill_tiles.h"     /* score_tile, value_tile and their tables */
+#include "paged_prefill_tiles.h"     /* score_tile(_dot), value_tile, their tables; head_ptrs, pair_rows */
 
 #if VW == 16
 #define VEXP exp_nonpositive16
@@ -310,8 +310,10 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     /* a task reads keys [kfirst, nk): kept rows serve if they start at or before kfirst and reach it
      * (under a window the keys before kfirst are never converted: a chunked prefill stays linear) */
     if (have->b != b || have->h != h || kfirst < have->lo || kfirst > have->n) *have = (HeadRows){b, h, kfirst, kfirst};
+    const int dot = PREFILL_DOT && a->k_kind == KIND_BF16;   /* bfloat16 keys on vdpbf16ps, read in place */
     if (have->n < nk) {
-        head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, have->n, nk, h, D, W, kb, kr);
+        if (dot) head_ptrs(a->k, pages, a->S, have->n, nk, h, D, W, (const uint16_t **)kr);
+        else head_rows(a->k, a->k_scale, a->k_kind, a->G, pages, a->S, have->n, nk, h, D, W, kb, kr);
         head_rows(a->v, a->v_scale, a->v_kind, a->G, pages, a->S, have->n, nk, h, D, W, vb, vr);
         have->n = nk;
     }
@@ -324,9 +326,19 @@ static void task(const Args *a, int64_t t, float *scratch, HeadRows *have) {
     }
     transpose_rows(a->q + first_row, G, (int64_t)a->Hq * D, R, nvec, D, rp, a->k_kind == KIND_BF16, qt);
     const vec sv = VSET1(a->scale);
+    if (dot) pair_rows(qt, D, rp, nvec * VW);
     for (int v0 = 0; v0 < nvec; v0 += RV) {
         const int nv = nvec - v0 < RV ? nvec - v0 : RV;
         int p = kfirst;
+#if PREFILL_DOT
+        if (dot) {
+            const uint32_t *qt2 = (const uint32_t *)qt;
+            const uint16_t *const *kr16 = (const uint16_t *const *)kr;
+            for (; p + KP <= nk; p += KP) SCORE_DOT_KP[nv](qt2, rp, kr16, p, v0, D, sv, sc);
+            for (; p < nk; p++) SCORE_DOT1[nv](qt2, rp, kr16, p, v0, D, sv, sc);
+            continue;
+        }
+#endif
         for (; p + KP <= nk; p += KP) SCORE_KP[nv](qt, rp, kr, p, v0, D, sv, sc);
         for (; p < nk; p++) SCORE1[nv](qt, rp, kr, p, v0, D, sv, sc);
     }

@@ -1,5 +1,6 @@
-/* The score and value register tiles of paged_prefill.c (included by it inside its PREFILL_SIMD
- * section; they use that file's vec, VW, KP, RP, RV and DV). Not a standalone header. */
+/* The score and value register tiles of paged_prefill.c, the scores also as vdpbf16ps for bfloat16
+ * keys (included by it inside its PREFILL_SIMD section; they use that file's vec, VW, KP, RP, RV and
+ * DV). Not a standalone header. */
 #ifndef EVALRUN_PAGED_PREFILL_TILES_H
 #define EVALRUN_PAGED_PREFILL_TILES_H
 /* sc[p][r] = (q_r . k_p) * scale for keys [p, p + np), np <= KP, and row vectors [v0, v0 + nv), nv <= RV:
@@ -44,6 +45,81 @@ typedef void (*ScoreFn)(const float *, int64_t, const float *const *, int, int, 
 #define SCORE_FNS_OF(np) SCORE_FNS(np)
 static const ScoreFn SCORE_KP[RV + 1] = SCORE_FNS_OF(KP);
 static const ScoreFn SCORE1[RV + 1] = SCORE_FNS(1);
+
+/* rows[p] = head h of the slot of position p, in place in the cache (bfloat16 keys on the vdpbf16ps
+ * tiles: read as they are), for positions [from, n); each row's lines prefetched. */
+static void head_ptrs(const void *cache, const int32_t *pages, int S, int from, int n, int h, int D, int W,
+                      const uint16_t **rows) {
+    for (int p = from; p < n; p++) {
+        rows[p] = (const uint16_t *)cache + ((int64_t)pages[p / S] * S + p % S) * W + (int64_t)h * D;
+        for (int off = 0; off < D * 2; off += 64) __builtin_prefetch((const char *)rows[p] + off);
+    }
+}
+
+/* qt (transpose_rows' bfloat16 values, [D][rp]) -> bfloat16 pairs in place, [D / 2][rp] words: word
+ * (i, r) holds row r's elements 2i (low half) and 2i + 1 (high half), as score_tile_dot reads them.
+ * Word row i overwrites float row i only, whose values were read by then (rows 2i and 2i + 1 >= i). */
+static void pair_rows(float *qt, int D, int64_t rp, int nr) {
+    uint32_t *qt2 = (uint32_t *)qt;
+    for (int i = 0; i < D / 2; i++)
+        for (int r = 0; r < nr; r++) {
+            uint32_t lo, hi;
+            memcpy(&lo, qt + (int64_t)(2 * i) * rp + r, sizeof lo);
+            memcpy(&hi, qt + (int64_t)(2 * i + 1) * rp + r, sizeof hi);
+            qt2[(int64_t)i * rp + r] = (lo >> 16) | (hi & 0xffff0000u);
+        }
+}
+
+#if VW == 16 && defined(__AVX512BF16__)
+#define PREFILL_DOT 1
+/* score_tile for bfloat16 keys read in place from their pages (kr[p]: the row's D values) and q
+ * rounded to bfloat16 in pairs (qt2 [D / 2][rp]: element 2i in the low half of a word, 2i + 1 in
+ * the high one, as the keys' pairs lie in memory): one vdpbf16ps per pair of d, key and row vector
+ * (products exact; one chain over the pairs in order per score). */
+static inline __attribute__((always_inline)) void score_tile_dot(const uint32_t *qt2, int64_t rp,
+                                                                const uint16_t *const *kr, int p, const int np,
+                                                                int v0, const int nv, int D, vec sv, float *sc) {
+    vec a[KP][RV];
+    const uint16_t *k[KP];
+    _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) {
+        k[j] = j < np ? kr[p + j] : kr[p];
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) a[j][i] = VZERO();
+    }
+    const uint32_t *qp = qt2 + (int64_t)v0 * VW;
+    for (int d2 = 0; d2 < D / 2; d2++, qp += rp) {
+        __m512i qv[RV];
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) {
+            qv[i] = _mm512_loadu_si512(qp + i * VW);
+            __asm__("" : "+v"(qv[i]));             /* one load per vector, not one per dot */
+        }
+        _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) if (j < np) {
+            uint32_t pair;
+            memcpy(&pair, k[j] + 2 * d2, sizeof pair);
+            const __m512i b = _mm512_set1_epi32((int)pair);
+            _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv)
+                a[j][i] = _mm512_dpbf16_ps(a[j][i], (__m512bh)qv[i], (__m512bh)b);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) if (j < np)
+        _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv)
+            VSTORE(sc + (int64_t)(p + j) * rp + (v0 + i) * VW, VMUL(a[j][i], sv));
+}
+
+#define SCORE_DOT_FN(np, nv) SCORE_DOT_FN_(np, nv)
+#define SCORE_DOT_FN_(np, nv)                                                                     \
+    static void score_dot##np##_##nv(const uint32_t *qt2, int64_t rp, const uint16_t *const *kr, int p, int v0, \
+                                     int D, vec sv, float *sc) {                                 \
+        score_tile_dot(qt2, rp, kr, p, np, v0, nv, D, sv, sc);                                   \
+    }
+SCORE_DOT_FN(KP, 3) SCORE_DOT_FN(KP, 2) SCORE_DOT_FN(KP, 1) SCORE_DOT_FN(1, 3) SCORE_DOT_FN(1, 2) SCORE_DOT_FN(1, 1)
+typedef void (*ScoreDotFn)(const uint32_t *, int64_t, const uint16_t *const *, int, int, int, vec, float *);
+#define SCORE_DOT_FNS(np) {0, score_dot##np##_1, score_dot##np##_2, score_dot##np##_3}
+#define SCORE_DOT_FNS_OF(np) SCORE_DOT_FNS(np)
+static const ScoreDotFn SCORE_DOT_KP[RV + 1] = SCORE_DOT_FNS_OF(KP);
+static const ScoreDotFn SCORE_DOT1[RV + 1] = SCORE_DOT_FNS(1);
+#else
+#define PREFILL_DOT 0
+#endif
 
 /* Rows r0 .. r0 + nr - 1 (nr <= RP), columns [c0, c0 + nd * VW) of the value sums acc [R][D]: += w[p][r] v_p
  * for keys [p0, p1) in order (from 0 when `first`); row r's weights are 0 past its keys. Storing and
