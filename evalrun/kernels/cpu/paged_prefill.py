@@ -3,8 +3,9 @@ recent-token window.
 
     q           [T, Hq, D]   the query rows of the prefill sequences, packed in order, already in
                              the attention domain (rotated for rotating formats: kernels.attention.attend)
-    layer       LayerKV      each sequence's head read through the page table into per-thread float32
-                             rows (copied, converted or dequantized), once per thread and head
+    layer       LayerKV      each sequence's head read through the page table: float32 rows in place,
+                             other kinds converted or dequantized into per-thread float32 rows,
+                             once per thread and head
     page_table  [B, max_pages] int32, seq_lens [B] int32 (the new tokens included), q_lens [B]:
                              sequence b's last q_lens[b] positions are its queries, causal
 Same contract as the torch reference (kernels.attention.attend: SDPA on the gathered context).

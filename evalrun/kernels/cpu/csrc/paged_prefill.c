@@ -27,8 +27,9 @@
  * With bfloat16 keys q is rounded to bfloat16 first, as in paged_decode.c (every product exact).
  * Nothing in a row's arithmetic depends on the other rows, the task's size or the batch, so a
  * token's output is bitwise the same however its sequence is chunked or batched (batch invariance).
- * The head's K and V rows are read through the page table into per-thread float32 buffers (copied,
- * converted or dequantized), which the thread's next task of the same sequence and head extends
+ * The head's K and V rows are read through the page table: float32 rows in place (a pointer per
+ * position), the other kinds converted or dequantized into per-thread float32 buffers (bfloat16 keys
+ * on vdpbf16ps in place too), which the thread's next task of the same sequence and head extends
  * (tasks come in position order). Tasks are claimed one at a time by the threads of the shared pool
  * (pool.h): each thread first from its own range of consecutive tasks, then from what is left of the
  * others' (so a head's rows are mostly converted once).
@@ -144,9 +145,13 @@ typedef struct {
     Range *ranges;                 /* [nranges]: range r is tasks [ntasks r / nranges, ntasks (r + 1) / nranges) */
 } Args;
 
-/* Head h of positions [from, n) as float32 rows in buf [n][D] (copied, converted or dequantized: float32
- * rows too, which the tiles then read from consecutive lines instead of one page slot apart), and
- * rows[p] = buf + p * D. */
+/* Head h of positions [from, n) as float32 rows: rows[p] points into the page (float32, with
+ * PREFILL_F32_IN_PLACE) or at buf + p * D, where the row was converted or dequantized (or copied, without
+ * it). On an AVX2-only Zen 3 in place ran 0.99-1.11x the copy's speed (equal at MMLU shapes, faster on
+ * fresh prompts) and 1.02-1.12x the kernel before per-row key ranges (bench_prefill_attention, alternated). */
+#ifndef PREFILL_F32_IN_PLACE
+#define PREFILL_F32_IN_PLACE 1
+#endif
 static void head_rows(const void *cache, const uint16_t *scales, int kind, int G, const int32_t *pages, int S,
                       int from, int n, int h, int D, int W, float *buf, const float **rows) {
     const int64_t esize = kind == KIND_F32 ? 4 : kind == KIND_BF16 || kind == KIND_F16 ? 2 : kind == KIND_Q8 ? 1 : 0;
@@ -159,6 +164,10 @@ static void head_rows(const void *cache, const uint16_t *scales, int kind, int G
             if (esize && p + PF < pe)           /* the row PF slots ahead: its lines are far away in memory */
                 for (int64_t off = 0; off < D * esize; off += 64)
                     __builtin_prefetch(base + (int64_t)(p + PF - p0) * W * esize + off);
+            if (kind == KIND_F32 && PREFILL_F32_IN_PLACE) {
+                rows[p] = (const float *)(base + (int64_t)(p - p0) * W * esize);
+                continue;
+            }
             if (kind == KIND_F32)
                 memcpy(row, base + (int64_t)(p - p0) * W * esize, sizeof(float) * (size_t)D);
             else
