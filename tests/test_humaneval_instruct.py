@@ -152,12 +152,11 @@ def test_canonical_solutions_as_instruct_answers_pass():
             specs[(style, p.task_id)] = check_spec(p, completion, program)
             if style == "header without docstring, ```py":
                 specs[("prompt + completion", p.task_id)] = check_spec(p, completion)
-    # styles that extract the same program make the same spec: each distinct spec runs once (518 of 984)
-    distinct = {repr(spec): spec for spec in specs.values()}
+    # styles that extract the same program make the same (frozen) spec: each distinct one runs once (518 of 984)
     with Sandbox(SandboxLimits(timeout=20.0), workers=4) as sandbox:
-        futures = {text: sandbox.submit(spec) for text, spec in distinct.items()}
-        verdicts = {text: f.result(timeout=600) for text, f in futures.items()}
-    results = {key: verdicts[repr(spec)] for key, spec in specs.items()}
+        futures = {spec: sandbox.submit(spec) for spec in set(specs.values())}
+        verdicts = {spec: f.result(timeout=600) for spec, f in futures.items()}
+    results = {key: verdicts[spec] for key, spec in specs.items()}
     failed = {key: (r.status, r.error) for key, r in results.items() if not r.passed}
     assert not failed
     passed = Counter(style for (style, _), r in results.items() if r.passed)
