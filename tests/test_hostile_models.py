@@ -3,6 +3,8 @@ file, GGUF file or chat template ends `evalrun mmlu` with one line on stderr and
 traceback, within 10 s (SIGKILL after) and under 1 GB of peak RSS (the child's own ru_maxrss, from
 os.wait4); files are read with O_NOFOLLOW semantics (a link out of the model directory is refused,
 a hub cache's links into its own blobs/ are not); a memory failure is one line, never a hang.
+The hostile variants run as forks of one interpreter that imported the CLI (tests/forked_cli.py:
+their seconds include its import time, their RSS its imports); the other runs are fresh processes.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from forked_cli import ForkedCli
 
 from evalrun.engine.config import ConfigError, ModelConfig
 from evalrun.engine.tokenizer import Tokenizer, TokenizerError
@@ -215,12 +218,20 @@ def assert_one_line(rc: int, err: str, seconds: float, rss: int, says: str) -> s
     return lines[0]
 
 
+@pytest.fixture(scope="module")
+def forked_cli():
+    """The CLI's imports paid once for the variants below (tests/forked_cli.py: each run a fork)."""
+    with ForkedCli(ROOT) as cli:
+        yield cli
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_hostile_variant_is_one_line_exit_2(name, tiny_model_dir, tmp_path):
+def test_hostile_variant_is_one_line_exit_2(name, tiny_model_dir, tmp_path, forked_cli):
     edit, says, extra = VARIANTS[name]
     model = _copy(tiny_model_dir, tmp_path / "model")
     edit(model)
-    assert_one_line(*run_bounded(_mmlu_args(model, tmp_path / "run", *extra)), says)
+    assert_one_line(*forked_cli.run(_mmlu_args(model, tmp_path / "run", *extra), DEADLINE_S, ROOT,
+                                    tmp_path / "stderr.txt"), says)
 
 
 def test_a_context_of_2_to_the_24_costs_nothing_until_used(tiny_model_dir, tmp_path):

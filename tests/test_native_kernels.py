@@ -187,12 +187,21 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, fresh_native):
 BACKEND_CASES = ["machine", "native-switched-off", "no-compiler", "no-onednn"]
 
 
+@pytest.fixture(scope="module")
+def compiled_once(tmp_path_factory):
+    """One kernel cache for the cases that build the same libraries (the first builds, the next loads)."""
+    return tmp_path_factory.mktemp("compiled-once")
+
+
 @pytest.mark.parametrize("case", BACKEND_CASES)
-def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, tmp_path, case):
+def test_kernel_backends_follow_the_machine(monkeypatch, fresh_native, compiled_once, tmp_path, case):
     """Expected backends come from facts outside our code: a C compiler on PATH, the
     EVALRUN_NATIVE value, and torch's own oneDNN flag. Each fact is also taken away (an
     empty PATH, EVALRUN_NATIVE=0, torch reporting no mkldnn) to see the fallback taken."""
     from evalrun.engine import kernel_backends
+    if case in ("machine", "no-onednn"):                           # both build every library: once
+        monkeypatch.setenv("EVALRUN_CACHE", str(compiled_once))
+        fresh_native = compiled_once
     monkeypatch.delenv("EVALRUN_NATIVE", raising=False)          # documented default: on
     if case == "native-switched-off":
         monkeypatch.setenv("EVALRUN_NATIVE", "0")
