@@ -1,7 +1,7 @@
 """The `evalrun` CLI run many times under time and memory bounds without paying its imports each time.
 
-    with ForkedCli() as cli:
-        rc, stderr, seconds, peak_rss_bytes = cli.run(argv, deadline=10.0, cwd=ROOT)
+    with ForkedCli(ROOT) as cli:
+        rc, stderr, seconds, peak_rss_bytes = cli.run(argv, 10.0, cwd, stderr_file, stdout_file)
 
 One fresh interpreter imports `evalrun.commands.cli` once (as `python -m evalrun` would: evalrun's
 process settings first, then torch) and never computes anything itself; each run is a fork of it
@@ -41,7 +41,8 @@ for line in sys.stdin:
             os.chdir(ask["cwd"])
             err = os.open(ask["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(err, 2)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            out = os.open(ask["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if ask["stdout"] else None
+            os.dup2(os.open(os.devnull, os.O_WRONLY) if out is None else out, 1)
             code = main(ask["argv"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
@@ -82,11 +83,15 @@ class ForkedCli:
             raise AssertionError(f"the forking CLI server ended (exit {self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, argv: list[str], deadline: float, cwd: Path, stderr: Path) -> tuple[int, str, float, int]:
-        """(exit status, stderr, seconds, peak RSS in bytes) of `evalrun ARGV`."""
-        stderr.write_bytes(b"")                           # there even if the run is killed before it opens it
-        self.proc.stdin.write(json.dumps({"argv": argv, "deadline": deadline, "cwd": str(cwd),
-                                          "stderr": str(stderr)}) + "\n")
+    def run(self, argv: list[str], deadline: float, cwd: Path, stderr: Path,
+            stdout: Optional[Path] = None) -> tuple[int, str, float, int]:
+        """(exit status, stderr, seconds, peak RSS in bytes) of `evalrun ARGV`; its stdout into the
+        file `stdout` (None: discarded)."""
+        for path in (stderr, stdout):
+            if path is not None:
+                path.write_bytes(b"")                     # there even if the run is killed before it opens it
+        self.proc.stdin.write(json.dumps({"argv": argv, "deadline": deadline, "cwd": str(cwd), "stderr": str(stderr),
+                                          "stdout": None if stdout is None else str(stdout)}) + "\n")
         self.proc.stdin.flush()
         got = self._reply()
         return got["status"], stderr.read_text(errors="replace"), got["seconds"], got["rss"]

@@ -1,8 +1,8 @@
 """The README and docs/ say what is true: their commands run, their pages exist, their figures come
 from benchmarks/results/.
 
-- Every command line of the README's ```bash blocks is either run here (in order, in one temporary
-  working directory, so `show` and `compare` read the runs made before them) or skipped by a declared
+- Every command line of the README's ```bash blocks is either run here (in order, each a fork of one
+  interpreter that imported the CLI, tests/forked_cli.py, in one temporary working directory, so `show` and `compare` read the runs made before them) or skipped by a declared
   rule (SKIPPED: install lines and CI's own test command, which .ci/run runs; lines whose comment
   says they need a GPU or a Ray cluster). A README command that is neither fails the test.
 - What a run here changes to stay quick (fewer questions, a tiny model, the data beside the
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from forked_cli import ForkedCli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -131,11 +132,6 @@ def shape(output: str) -> list[str]:
     return [re.sub(r" +", " ", re.sub(r"\d+(\.\d+)?", "#", line)).strip() for line in output.strip().splitlines()]
 
 
-def evalrun_argv() -> list[str]:
-    script = shutil.which("evalrun")
-    return [script] if script else [sys.executable, "-m", "evalrun"]
-
-
 # --- (a) the README's commands ---------------------------------------------------------------
 def test_every_readme_command_is_run_or_declared_skipped():
     unknown = [line for line in readme_commands()
@@ -163,25 +159,32 @@ def test_readme_commands_run_as_documented(tmp_path: Path, values: dict[str, str
     blocks = fenced_blocks(README.read_text())
     toml = [body for lang, body in blocks if lang == "toml"]
     assert len(toml) == 1, "one suite file in the README (nightly.toml)"
-    (tmp_path / "nightly.toml").write_text(substitute(toml[0], values))
+    work, logs = tmp_path / "work", tmp_path / "logs"
+    work.mkdir()
+    logs.mkdir()
+    (work / "nightly.toml").write_text(substitute(toml[0], values))
     main_command, main_output = main_job()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     failures, ran = [], 0
-    for line in readme_commands():
-        if skip_reason(line) is not None:
-            continue
-        command = split_comment(line)[0]
-        argv = evalrun_argv() + substitute(command, values).split()[1:]
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-        ran += 1
-        expected = next((code for start, code in EXPECTED_EXIT.items() if command.startswith(start)), 0)
-        if done.returncode != expected:
-            failures.append(f"{command}\n  ran: {' '.join(argv)}\n  exit {done.returncode}, expected {expected}\n"
-                            f"  stderr: {done.stderr[-2000:]}")
-        elif command == main_command and shape(done.stdout) != shape(main_output):
-            failures.append(f"{command}: output has not the README's shape\n--- README\n{main_output}\n--- here\n{done.stdout}")
-        elif command == "evalrun --version" and not re.search(r"\d+\.\d+", done.stdout + done.stderr):
-            failures.append(f"{command}: no version printed: {done.stdout!r}")
+    # each command a fork of one interpreter that imported the CLI (tests/forked_cli.py), in the README's
+    # order in one working directory; the installed `evalrun` script itself: tests/test_packaging.py
+    with ForkedCli(work, env) as cli:
+        for line in readme_commands():
+            if skip_reason(line) is not None:
+                continue
+            command = split_comment(line)[0]
+            argv = substitute(command, values).split()[1:]
+            rc, stderr, _, _ = cli.run(argv, COMMAND_TIMEOUT, work, logs / f"{ran}.err", logs / f"{ran}.out")
+            stdout = (logs / f"{ran}.out").read_text(errors="replace")
+            ran += 1
+            expected = next((code for start, code in EXPECTED_EXIT.items() if command.startswith(start)), 0)
+            if rc != expected:
+                failures.append(f"{command}\n  ran: evalrun {' '.join(argv)}\n  exit {rc}, expected {expected}\n"
+                                f"  stderr: {stderr[-2000:]}")
+            elif command == main_command and shape(stdout) != shape(main_output):
+                failures.append(f"{command}: output has not the README's shape\n--- README\n{main_output}\n--- here\n{stdout}")
+            elif command == "evalrun --version" and not re.search(r"\d+\.\d+", stdout + stderr):
+                failures.append(f"{command}: no version printed: {stdout!r}")
     assert ran >= 10, f"only {ran} README commands ran"
     assert not failures, "\n\n".join(failures)
 
