@@ -2,9 +2,10 @@
 from benchmarks/results/.
 
 - Every command line of the README's ```bash blocks is either run here (in order, each a fork of one
-  interpreter that imported the CLI, tests/forked_cli.py, in one temporary working directory, so `show` and `compare` read the runs made before them) or skipped by a declared
-  rule (SKIPPED: install lines and CI's own test command, which .ci/run runs; lines whose comment
-  says they need a GPU or a Ray cluster). A README command that is neither fails the test.
+  interpreter that imported the CLI, tests/forked_cli.py, in one temporary working directory, so
+  `show` and `compare` read the runs made before them) or skipped by a declared rule (SKIPPED:
+  install lines and CI's own test command, which .ci/run runs; lines whose comment says they need
+  a GPU or a Ray cluster). A README command that is neither fails the test.
 - What a run here changes to stay quick (fewer questions, a tiny model, the data beside the
   checkout or the fixture) is declared in one dict, SUBSTITUTIONS.
 - The main job's output must have the shape the README shows; every other command must exit as the
