@@ -36,7 +36,8 @@
  * elsewhere float32 multiply-adds of the same values; only the order of the adds differs.
  *
  * Work is split over sequences, claimed one at a time by the threads of the shared pool
- * (pool.h); a sequence's query
+ * (pool.h; a thread claims its next sequence before it runs one, for the prefetch stream of
+ * decode_prefetch.h); a sequence's query
  * heads are scored against every key (exact two-pass softmax), then V is summed with
  * those weights.
  * The torch reference is kernels.attention.decode_torch.
@@ -294,23 +295,22 @@ static __attribute__((noinline)) void axpys_group(float *acc, int G, const float
 }
 
 #include "decode_softmax.h"        /* softmax_weights, cap_scores */
+#include "decode_prefetch.h"       /* prefetch_rows, Stream, prefetch_ahead */
 #define PFD 16                     /* keys prefetched this many positions ahead */
-/* Prefetch every line of the float32 slots slot[0 .. n): a sequence's slots are contiguous within
- * a page, but the hardware prefetchers lose the stream at each 4 KB boundary. Interleaved A/B
- * (32 rows x 200 positions, 30 layers, 2 threads, AVX2): 1.2-1.3x over none. */
-static inline void prefetch_rows(const void *cache, const int64_t *slot, int n, int W) {
-    for (int p = 0; p < n; p++) {
-        const char *s = (const char *)((const float *)cache + slot[p] * W);
-        for (int b = 0; b < W * 4; b += 64) __builtin_prefetch(s + b, 0, 3);
-    }
-}
+#ifndef STREAM_PFD
+#define STREAM_PFD 32              /* positions ahead on the prefetch stream (decode_prefetch.h) */
+#endif
 
 /* One sequence: every query head scored against every key, an exact two-pass softmax
  * (vectorized exp), then the values summed with those weights. Keys and values are read
  * once, block by block in page order with all KV heads of a slot together (sequential
  * memory, which the prefetcher follows); interleaved A/B against reading one head's slice
- * per pass: 1.2-1.5x at 1-32 rows x 300-2,000 positions (SmolLM2 shapes, AVX2). */
-static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *acc, float *inv_sum) {
+ * per pass: 1.2-1.5x at 1-32 rows x 300-2,000 positions (SmolLM2 shapes, AVX2). next (or -1):
+ * the sequence this thread takes after it, whose first keys the prefetch stream reaches. The stream
+ * over the three passes, against prefetching within each pass (interleaved A/B, 30 layers of float32
+ * pages on 2 MiB pages, 32 rows x 150 and 470 positions, 9/3 heads of 64, 2 threads, Zen 3):
+ * 0.79-0.80x the time, outputs bitwise equal. */
+static void sequence(const Args *a, int b, int next, float *scores, float *rowbuf, float *acc, float *inv_sum) {
     const int Hq = a->Hq, Hkv = a->Hkv, Gq = Hq / Hkv, D = a->D, S = a->S, W = Hkv * D;
     const int L = a->seq_lens[b];
     const int64_t lmax = a->lmax;
@@ -334,13 +334,25 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
     /* Positions outer, KV heads inner: a block of slots is read whole, in memory order (a slot
      * holds every head), instead of one head's slice per pass over the context. */
     int64_t slot[ROWS_MAX], ahead[ROWS_MAX];
+    /* Float pages without a window store: the prefetch stream (keys, values, the next sequence's
+     * keys), a share of the block STREAM_PFD ahead before each head. Else float32 keys are
+     * prefetched PFD ahead and values a block ahead, within this sequence. */
+    const int stream = !a->wk && a->k_kind == a->v_kind && a->k_kind <= KIND_F16;
+    const int64_t slot_bytes = (int64_t)W * (a->k_kind == KIND_F32 ? 4 : 2);
+    const int next_len = next >= 0 ? a->seq_lens[next] : 0;
+    const Stream keys = {(const char *)a->k, pages, L, P0}, values = {(const char *)a->v, pages, L, P0},
+                 next_keys = {(const char *)a->k, next >= 0 ? a->page_table + (int64_t)next * a->max_pages : pages,
+                              next_len, first_position(next_len, a->sliding)};
+    if (stream) prefetch_ahead(&keys, &values, slot_bytes, S, P0, P0 + STREAM_PFD);
     for (int p0 = P0; p0 < L; p0 += BLOCK) {
         const int n = L - p0 < BLOCK ? L - p0 : BLOCK, in_cache = block_slots(pages, S, p0, n, &wk, slot);
-        if (a->k_kind == KIND_F32 && p0 + PFD < L) {
+        if (!stream && a->k_kind == KIND_F32 && p0 + PFD < L) {
             const int m = L - p0 - PFD < BLOCK ? L - p0 - PFD : BLOCK;
             prefetch_rows(a->k, ahead, block_slots(pages, S, p0 + PFD, m, &wk, ahead), W);
         }
         for (int h = 0; h < Hkv; h++) {
+            if (stream)
+                prefetch_ahead(&keys, &values, slot_bytes, S, p0 + STREAM_PFD + h * n / Hkv, p0 + STREAM_PFD + (h + 1) * n / Hkv);
             load_rows(a->k, a->k_scale, a->k_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wk);
             dots_group(q + (int64_t)h * Gq * D, Gq, rows, n, D, scores + h * Gq * lmax + p0 - P0, lmax);
         }
@@ -350,18 +362,21 @@ static void sequence(const Args *a, int b, float *scores, float *rowbuf, float *
         inv_sum[hq] = 1.0f / softmax_weights(scores + hq * lmax, n_keys, a->softcap > 0.0f ? 1.0f : a->scale);
         memset(acc + (int64_t)hq * D, 0, sizeof(float) * (size_t)D);
     }
-    if (a->v_kind == KIND_F32)
+    if (!stream && a->v_kind == KIND_F32)
         prefetch_rows(a->v, slot, block_slots(pages, S, P0, n_keys < VBLOCK ? n_keys : VBLOCK, &wv, slot), W);
     for (int p0 = P0; p0 < L; p0 += VBLOCK) {
         const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK, in_cache = block_slots(pages, S, p0, n, &wv, slot);
         int ahead_n = 0;                            /* slots of the next block held in `ahead` */
-        if (a->v_kind == KIND_F32 && p0 + VBLOCK < L) {
+        if (!stream && a->v_kind == KIND_F32 && p0 + VBLOCK < L) {
             const int m = L - p0 - VBLOCK < VBLOCK ? L - p0 - VBLOCK : VBLOCK;
             ahead_n = block_slots(pages, S, p0 + VBLOCK, m, &wv, ahead);
         }
         const int share = (VBLOCK + Hkv - 1) / Hkv;
         for (int h = 0; h < Hkv; h++) {
-            if (ahead_n > h * share)                /* the next block, a share before each head's pass */
+            if (stream)
+                prefetch_ahead(&values, &next_keys, slot_bytes, S, p0 + STREAM_PFD + h * n / Hkv,
+                               p0 + STREAM_PFD + (h + 1) * n / Hkv);
+            else if (ahead_n > h * share)           /* the next block, a share before each head's pass */
                 prefetch_rows(a->v, ahead + h * share, ahead_n - h * share < share ? ahead_n - h * share : share, W);
             load_rows(a->v, a->v_scale, a->v_kind, a->G, slot, in_cache, n, h, D, W, rowbuf, rows, &wv);
             axpys_group(acc + (int64_t)h * Gq * D, Gq, scores + h * Gq * lmax + p0 - P0, lmax, rows, n, D);
@@ -390,8 +405,10 @@ static void decode_worker(const Args *a) {
         return;
     }
 #endif
-    for (int b = atomic_fetch_add(a->next_task, 1); b < a->B; b = atomic_fetch_add(a->next_task, 1))
-        sequence(a, b, scores, rowbuf, acc, inv_sum);
+    for (int b = atomic_fetch_add(a->next_task, 1), next; b < a->B; b = next) {   /* as above */
+        next = atomic_fetch_add(a->next_task, 1);
+        sequence(a, b, next < a->B ? next : -1, scores, rowbuf, acc, inv_sum);
+    }
 }
 
 static void pool_task(void *ctx, int tid, int nth) {

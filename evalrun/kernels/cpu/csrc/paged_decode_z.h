@@ -225,31 +225,6 @@ static inline __attribute__((always_inline)) void value_block16(const int KIND, 
 }
 #undef VALUE_TILE16
 
-/* Rows first .. len - 1 of one sequence's keys or values: cache, the sequence's page table, len,
- * and the first position read (a sliding window's start, else 0). */
-typedef struct {
-    const char *cache;
-    const int32_t *pages;
-    int len, first;
-} Stream;
-
-/* Prefetch every line of the rows of positions lo .. hi - 1 of `cur`, continuing into `then`
- * past its end (from then's first position on). */
-static inline void prefetch_ahead(const Stream *cur, const Stream *then, int64_t slot_bytes, int S, int lo, int hi) {
-    for (int i = 0; i < 2; i++) {
-        const Stream *st = i ? then : cur;
-        int a = i ? then->first + (lo > cur->len ? lo - cur->len : 0) : lo;
-        int b = i ? then->first + hi - cur->len : (hi < cur->len ? hi : cur->len);
-        if (b > st->len) b = st->len;
-        while (a < b) {
-            const int page = a / S, off = a - page * S, m = S - off < b - a ? S - off : b - a;
-            const char *s = st->cache + ((int64_t)st->pages[page] * S + off) * slot_bytes, *e = s + m * slot_bytes;
-            for (s = (const char *)((uintptr_t)s & ~(uintptr_t)63); s < e; s += 64) _mm_prefetch(s, _MM_HINT_T1);
-            a += m;
-        }
-    }
-}
-
 /* In place: sh[pos] = exp(scale * sh[pos] - max); returns the sum (16 lanes, a masked tail). */
 static float softmax_weights16(float *sh, int L, float scale) {
     const __m512 sv = _mm512_set1_ps(scale);
