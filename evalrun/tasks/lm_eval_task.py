@@ -1,7 +1,8 @@
 """lm-evaluation-harness's YAML tasks on evalrun's engine (`evalrun task --tasks NAME[,NAME...]`).
 
 lm-eval (the optional extra `evalrun[lm-eval]`, 0.4.13) loads the task configurations: names and
-groups/tags resolved by its TaskManager over its packaged tasks and `--include-path` directories,
+groups/tags resolved by its TaskManager over its packaged tasks (their index cached:
+evalrun/tasks/lm_eval_index.py) and `--include-path` directories,
 datasets through `datasets` (hub or local `data_files`), `process_docs`, the Jinja/column/list/
 `!function` doc_to_* fields, descriptions, delimiters and its few-shot sampler. Its task objects
 build each document's requests (`build_all_requests`, in document order, so the seeded sampler
@@ -30,6 +31,7 @@ from typing import Any, Collection, Iterator, Optional, Sequence
 
 from .base import Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError, estimate_tokens, prompt_hash
 from .chat import ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
+from .lm_eval_index import task_manager
 from .lm_eval_requests import Ask, Encoder, cut_at_stops, generation_request, loglikelihood, score_request
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
@@ -60,12 +62,12 @@ def load_suite(names: Sequence[str], include_path: Optional[str],
     """({task name: lm-eval task object}, {group name: lm-eval Group}) for the names (groups and tags
     expanded), configured as lm-eval's simple_evaluate configures them; TaskSettingError/TaskDataError
     in one line."""
-    TaskManager = _lm_eval()
+    _lm_eval()
     if not names:
         raise TaskSettingError("--tasks names no task")
-    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    manager = task_manager(include_path, packaged=False) if include_path else None
     if manager is None or not set(names) <= set(manager.all_tasks):
-        manager = TaskManager(include_path=include_path)
+        manager = task_manager(include_path)         # with lm-eval's packaged tasks, their index cached
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise TaskSettingError(f"unknown task {unknown[0]!r}: neither lm-eval's tasks nor "
