@@ -1,7 +1,7 @@
 """Where a decode step's time goes (issue 12, item 2): wall time per op class at R rows, and the
 linears' GFLOP/s against this machine's sgemm roof measured in the same run.
 
-R distinct 128-token windows of the HumanEval prompts are prefilled, then --steps pure decode
+R distinct --context-token windows (default 128) of the HumanEval prompts are prefilled, then --steps pure decode
 steps are timed (after a few warm-up steps). Inside the native decode step
 (evalrun/kernels/cpu/decode_step.py) the C code times each stage summed over the layers; the LM head,
 sampling and the rest of the step (metadata, embedding, Python) are timed around it here.
@@ -14,7 +14,7 @@ end alone does not say how close the steps came to it. The steps are therefore t
 the roof is also reported per block (median and range): each block's figure against the roof
 measured next to it.
 
-    python -m benchmarks.decode_profile [--rows 32] [--steps 40] [--blocks 8] [--out FILE]
+    python -m benchmarks.decode_profile [--rows 32] [--steps 40] [--blocks 8] [--context 128] [--out FILE]
 """
 from __future__ import annotations
 
@@ -57,11 +57,13 @@ class _Timer:
 
 
 def profile_steps(model: Model, tokenizer: Tokenizer, rows: int, steps: int, warm: int = 4,
-                  blocks: int = 1, roof_n: int = 2048, mode: str = "fp32") -> dict[str, Any]:
+                  blocks: int = 1, roof_n: int = 2048, mode: str = "fp32", context: int = 128) -> dict[str, Any]:
     """Per-stage ms per step over `steps` steps, timed in `blocks` blocks; with blocks > 1 each
-    block is preceded by an sgemm roof measurement (roof_n^3) and its figures are kept apart."""
-    prompts = curve_prompts(tokenizer, rows, 128)
-    cache = PagedCache(model, max_tokens=rows * 2 * 256, page_size=256, mode=mode)
+    block is preceded by an sgemm roof measurement (roof_n^3) and its figures are kept apart.
+    Each row's prompt is `context` tokens."""
+    prompts = curve_prompts(tokenizer, rows, context)
+    pages = -(-(context + steps + warm + 4) // 256)
+    cache = PagedCache(model, max_tokens=rows * pages * 256, page_size=256, mode=mode)
     gen = DynamicGenerator(model, cache, tokenizer)
     gen.enqueue([DynamicJob(ids, max_new_tokens=steps + warm + 4, identifier=i) for i, ids in enumerate(prompts)])
     started: set[int] = set()
@@ -164,6 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="32", help="comma-separated row counts (default 32)")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per row (default 128)")
     p.add_argument("--blocks", type=int, default=8,
                    help="time the steps in this many blocks, each after its own sgemm roof (default 8; 1: none)")
     p.add_argument("--model", type=Path, default=None)
@@ -179,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     tokenizer = Tokenizer.load(model_dir)
     model = Model.load(model_dir, dtype=a.dtype)
     warm_up_ours(model, tokenizer, mode, 256, "def f(x):")
-    points = [profile_steps(model, tokenizer, int(r), a.steps, blocks=max(1, a.blocks), mode=mode)
+    points = [profile_steps(model, tokenizer, int(r), a.steps, blocks=max(1, a.blocks), mode=mode,
+                            context=a.context)
               for r in a.rows.split(",")]
     end = _roofs(dtype)
     print(f"roofs at end:   {format_roofs(end)}")
