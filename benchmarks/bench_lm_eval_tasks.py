@@ -17,7 +17,10 @@ Figures (every peer on the same token ids, in the same process run, on this mach
   (benchmarks/vllm_score_runner.py: one request per choice, prompt log-probs, vLLM's prefix cache
   unused for them), paired rounds (benchmarks/paired.py) against our engine on the same requests;
   and `bench_gen`'s prompts, 128 greedy tokens each, vLLM with prefix caching
-  (benchmarks/vllm_decode_runner.py) against ours, paired.
+  (benchmarks/vllm_decode_runner.py) against ours, paired; with the least time of that work on this
+  machine's roofs measured around the rounds (benchmarks/machine_roofs.py: the linears at the matmul
+  roof, the prefill's attention flops too, each decode step's K/V at the read roof), so the ratio a
+  peer's time allows any engine is printed beside ours.
 
     python -m benchmarks.bench_lm_eval_tasks [--docs 200] [--dtype auto] [--vllm-python PY] [--skip-baseline]
 """
@@ -31,6 +34,8 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.common import (DEFAULT_MMLU_DIR, CACHE_MODE, base_parser, describe_dtype, dtype_fields, paired_vllm_rounds,
                                positive_int, start_run, timed, warm_up_ours, write_result)
+from benchmarks.machine_roofs import (attention_floor_s, best_roofs, format_roofs, measure_roofs_in, model_work,
+                                      run_floor_s)
 from benchmarks.paired import counted_rounds, median_ratio, round_pairs
 from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache
 from evalrun.run.runner import run_task
@@ -178,6 +183,20 @@ def run_generation(args: Any, model: Model, tokenizer: Any, prompts: list[list[i
     return {"seconds": t.seconds, "token_ids": [tokens[i] for i in range(len(prompts))]}
 
 
+def gen_floor(args: Any, model_dir: Path, model: Model, prompts: list[list[int]], roofs: Any,
+              g: dict[str, Any]) -> dict[str, Any]:
+    """bench_gen's least time on this machine's roofs (machine_roofs: the linears, then the prefill's
+    attention flops and each decode step's K/V reads), and ours' and vLLM's median seconds over it."""
+    work = model_work(model_dir, dtype_bytes=model.dtype.itemsize)
+    linears = run_floor_s(work, sum(len(p) for p in prompts), len(prompts), args.new_tokens, roofs)
+    attention = attention_floor_s(model_dir, [len(p) for p in prompts], args.new_tokens,
+                                  4 if CACHE_MODE[args.dtype] == "fp32" else 2, roofs)
+    floor = linears + attention
+    return {"floor_seconds": floor, "floor_linears_seconds": linears, "floor_attention_seconds": attention,
+            "ours_x_floor": g["ours_seconds"] / floor if g["ours_seconds"] else None,
+            "vllm_x_floor": g["vllm_seconds"] / floor if g["vllm_seconds"] else None}
+
+
 def paired(args: Any, model_dir: Path, runner: str, payload: dict[str, Any], ours: Any, *extra: str) -> dict[str, Any]:
     runs, v = paired_vllm_rounds(args.vllm_python, runner, model_dir, args.dtype, payload, args.rounds, ours, *extra)
     pairs = round_pairs(runs, v["round_seconds"])
@@ -214,8 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if "gen" in parts:
             gen_task = LmEvalTask(load_tasks(["bench_gen"], str(include), None), args.gen_docs)
             prompts = [list(p.requests[0].input_ids) for p in gen_task.plan(tokenizer, model.max_seq_len)]
+            start = measure_roofs_in(model.dtype)
             g = paired(args, model_dir, "vllm_decode_runner.py", {"prompts": prompts, "new_tokens": args.new_tokens},
                        lambda: run_generation(args, model, tokenizer, prompts))
+            g["roofs"] = roofs = best_roofs(start, measure_roofs_in(model.dtype))
+            g.update(gen_floor(args, model_dir, model, prompts, roofs, g))
             same = sum(a == b for a, b in zip(g["_runs"][0]["token_ids"], g["_v"]["token_ids"]))
             g.pop("_runs"), g.pop("_v")
             g["identical_sequences"] = same
@@ -223,6 +245,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             result["gen_vs_vllm"] = g
             print(f"bench_gen vs vLLM (prefix caching): ours {g['ours_seconds']:.2f} s, vLLM {g['vllm_seconds']:.2f} s, "
                   f"median paired ratio {g['speedup_vs_vllm']}; identical sequences {same}/{len(prompts)}")
+            print(f"  against the roofs ({format_roofs(roofs)}): floor {g['floor_seconds']:.2f} s (linears "
+                  f"{g['floor_linears_seconds']:.2f} s, attention {g['floor_attention_seconds']:.2f} s); ours "
+                  f"{g['ours_x_floor']:.2f}x it, vLLM {g['vllm_x_floor']:.2f}x: no engine doing this work on these "
+                  f"roofs is over {g['vllm_x_floor']:.2f}x this vLLM")
         ours = ours_whole(args, model, tokenizer, include)
         result["ours"] = {k: v for k, v in ours.items() if k != "per_doc_acc"}
         print(f"ours (evalrun task's work): {ours['seconds']:.2f} s, acc {ours['acc']:.4f}, {ours['requests']} jobs")

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.decode_curve import curve_prompts
 from benchmarks.common import warm_up_ours, write_result
-from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs, model_work, sgemm_gflops
+from benchmarks.machine_roofs import best_roofs, format_roofs, measure_roofs_in, model_work, sgemm_gflops
 from evalrun.engine import DynamicGenerator, DynamicJob, Model, PagedCache, Tokenizer
 from evalrun.engine import generator as generator_module
 from evalrun.demo import ensure_demo_model
@@ -154,12 +154,6 @@ def block_shares(blocks: list[dict[str, Any]], rows: int, work: dict[str, float]
     return out
 
 
-def _roofs(dtype: torch.dtype) -> Any:
-    """The machine's roofs, the matmul one in the model's dtype."""
-    roofs = measure_roofs()
-    if dtype != torch.float32:
-        roofs["sgemm_gflops"] = sgemm_gflops(roofs["sgemm_n"], roofs["repeat"], dtype)
-    return roofs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -177,7 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     a = p.parse_args(argv)
     model_dir = a.model or ensure_demo_model()
     dtype, mode = getattr(torch, a.dtype), {"float32": "fp32", "bfloat16": "bf16"}[a.dtype]
-    roofs = _roofs(dtype)
+    roofs = measure_roofs_in(dtype)
     print(f"roofs at start: {format_roofs(roofs)}")
     tokenizer = Tokenizer.load(model_dir)
     model = Model.load(model_dir, dtype=a.dtype)
@@ -185,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     points = [profile_steps(model, tokenizer, int(r), a.steps, blocks=max(1, a.blocks), mode=mode,
                             context=a.context)
               for r in a.rows.split(",")]
-    end = _roofs(dtype)
+    end = measure_roofs_in(dtype)
     print(f"roofs at end:   {format_roofs(end)}")
     roofs = best_roofs(roofs, end)
     work = model_work(model_dir)

@@ -116,6 +116,29 @@ def run_floor_s(work: ModelWork, prompt_tokens: int, rows: int, new_tokens: int,
     return prefill / (roofs["sgemm_gflops"] * 1e9) + (new_tokens - 1) * step_floor_s(work, rows, roofs)
 
 
+def attention_floor_s(model_dir: Path, prompt_lens: Sequence[int], new_tokens: int, kv_bytes: int,
+                      roofs: Roofs) -> float:
+    """Least time of a batched generation's attention: the prompts' causal scores and value sums
+    (4 D flops per query head and key it sees) at the sgemm roof, and every decode step's read of
+    each row's keys and values (`kv_bytes` per element) at the read roof."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    layers, hq, hkv = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    flops = layers * sum(4 * d * hq * n * (n + 1) / 2 for n in prompt_lens)
+    steps = new_tokens - 1                   # the first new token comes from the prefill
+    positions = sum(steps * n + steps * (steps + 1) / 2 for n in prompt_lens)
+    reads = layers * 2 * hkv * d * kv_bytes * positions
+    return flops / (roofs["sgemm_gflops"] * 1e9) + reads / (roofs["read_gbps"] * 1e9)
+
+
+def measure_roofs_in(dtype: torch.dtype) -> Roofs:
+    """measure_roofs, the matmul roof in `dtype` (bfloat16: torch's bf16 matmul rate)."""
+    roofs = measure_roofs()
+    if dtype != torch.float32:
+        roofs["sgemm_gflops"] = sgemm_gflops(roofs["sgemm_n"], roofs["repeat"], dtype)
+    return roofs
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Roofs:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.machine_roofs", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2048, help="sgemm size (default 2048)")
