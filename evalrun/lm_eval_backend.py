@@ -27,6 +27,7 @@ from evalrun.errors import BadInput, RunFailed, as_bad_input
 from evalrun.lm_eval_backend_engine import BackendSettings, Engine
 from evalrun.results.text import terminal_safe
 from evalrun.tasks.base import Answer
+from evalrun.tasks.lm_eval_index import lm_eval_uses_the_cache
 from evalrun.tasks.lm_eval_requests import cut_at_stops, generation_request, loglikelihood, score_request
 
 NO_KEY = ()                          # Requests of a call carry no document key: the call keeps their order
@@ -101,10 +102,12 @@ class EvalrunLM(LM):
 
 def main() -> int:
     """lm-eval's own CLI (lm_eval.__main__.cli_evaluate, argv as lm-eval reads it) with "evalrun"
-    registered; an input error is one line and exit code 2."""
+    registered, its packaged tasks' index read from evalrun's cache (evalrun/tasks/lm_eval_index.py);
+    an input error is one line and exit code 2."""
     from lm_eval.__main__ import cli_evaluate
     try:
-        cli_evaluate()
+        with lm_eval_uses_the_cache():
+            cli_evaluate()
     except (BadInput, RunFailed) as exc:
         print(f"error: {terminal_safe(str(exc), True)}", file=sys.stderr)
         return 2 if isinstance(exc, BadInput) else 1

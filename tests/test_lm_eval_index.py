@@ -132,3 +132,19 @@ def test_only_the_newest_indexes_are_kept(folders, tmp_path):
         assert f"t{i}" in packaged_index(copy)
     assert len(list(folder.glob("*.pickle"))) == lm_eval_index.KEEP
     assert not list(folder.glob("*.tmp"))
+
+
+def test_lm_evals_own_code_builds_cached_managers_within_the_context(folders, builds):
+    import lm_eval.tasks
+    from evalrun.tasks.lm_eval_index import cached_manager_class, lm_eval_uses_the_cache
+    root, include = folders
+    real = lm_eval.tasks.TaskManager
+    packaged_index(root)                                     # stored (lm-eval's own packaged root is not used here)
+    with lm_eval_uses_the_cache():
+        from lm_eval.tasks import TaskManager as looked_up   # as lm-eval's CLI looks it up when it runs
+        assert looked_up is cached_manager_class() and issubclass(looked_up, real)
+        manager = looked_up(include_path=str(include), metadata={"k": 1}, packaged_root=root)
+    assert lm_eval.tasks.TaskManager is real
+    assert builds == [[root], [include]]                     # the packaged folder parsed once, then read back
+    theirs = real(include_path=[str(root), str(include)], include_defaults=False)
+    assert _entries(manager) == _entries(theirs) and _lists(manager) == _lists(theirs)

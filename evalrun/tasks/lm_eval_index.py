@@ -16,6 +16,8 @@ indexes are kept. EVALRUN_LM_EVAL_INDEX=0 builds the index as lm-eval does, ever
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -23,7 +25,7 @@ import pickle
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..engine.dtype_probe import cache_root
 
@@ -104,23 +106,53 @@ def _store(folder: Path, path: Path, index: dict[str, Any]) -> None:
 def task_manager(include_path: Optional[str], packaged: bool = True, root: Optional[Path] = None) -> Any:
     """`lm_eval.tasks.TaskManager(include_path=include_path, include_defaults=packaged)`, the packaged
     tasks' index (those under `root`, default lm-eval's) read through the cache."""
+    return cached_manager_class()(include_path=include_path, include_defaults=packaged, packaged_root=root)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_manager_class() -> type:
+    """lm-eval's TaskManager, its packaged index read through the cache (a subclass, built on first use:
+    lm-eval is an optional extra)."""
     from lm_eval.tasks import TaskManager
-    manager = TaskManager(include_path=include_path, include_defaults=False)
-    if not packaged:
-        return manager
-    if not enabled() or not all(hasattr(manager, field) for field in _MANAGER_FIELDS):
-        # the cache off, or a TaskManager not laid out as lm-eval 0.4.13's (pinned): lm-eval's own way
-        roots = [root] if root is not None else []
-        paths = roots + ([include_path] if include_path else [])
-        return TaskManager(include_path=paths or None, include_defaults=root is None)
-    index = dict(packaged_index(root))
-    for name, entry in manager._index.items():
-        if name in index:                     # lm-eval's warning (TaskIndex.build) for a redefined name
-            logging.getLogger("lm_eval.tasks._index").warning(
-                "Task '%s' from %s overrides existing task from %s", name, entry.yaml_path, index[name].yaml_path)
-        index[name] = entry
-    _set_index(manager, index)
-    return manager
+
+    class CachedTaskManager(TaskManager):
+        """TaskManager whose packaged tasks' index comes from packaged_index (evalrun/tasks/lm_eval_index.py)."""
+
+        def __init__(self, verbosity: Optional[str] = None, include_path: Any = None, include_defaults: bool = True,
+                     metadata: Optional[dict] = None, packaged_root: Optional[Path] = None):
+            super().__init__(verbosity, include_path, include_defaults=False, metadata=metadata)
+            if not include_defaults:
+                return
+            if not enabled() or not all(hasattr(self, field) for field in _MANAGER_FIELDS):
+                # the cache off, or a TaskManager not laid out as lm-eval 0.4.13's (pinned): lm-eval's own way
+                roots = [packaged_root] if packaged_root is not None else []
+                more = list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
+                paths = roots + [p for p in more if p]
+                super().__init__(verbosity, paths or None, include_defaults=packaged_root is None, metadata=metadata)
+                return
+            index = dict(packaged_index(packaged_root))
+            for name, entry in self._index.items():
+                if name in index:             # lm-eval's warning (TaskIndex.build) for a redefined name
+                    logging.getLogger("lm_eval.tasks._index").warning(
+                        "Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                        index[name].yaml_path)
+                index[name] = entry
+            _set_index(self, index)
+
+    return CachedTaskManager
+
+
+@contextlib.contextmanager
+def lm_eval_uses_the_cache() -> Iterator[None]:
+    """Within it, lm-eval's own code (its CLI: `lm_eval.tasks.TaskManager` looked up when it runs)
+    builds managers whose packaged index comes from the cache."""
+    import lm_eval.tasks
+    real = lm_eval.tasks.TaskManager
+    lm_eval.tasks.TaskManager = cached_manager_class()
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = real
 
 
 def _set_index(manager: Any, index: dict[str, Any]) -> None:
