@@ -27,7 +27,7 @@ except ImportError as exc:
     pytest.skip(f"lm_eval is installed without its evaluator's dependencies (CI installs it with --no-deps): {exc}",
                 allow_module_level=True)
 
-from lm_eval.tasks import TaskManager
+from evalrun.tasks.lm_eval_index import task_manager
 from lm_eval_fixtures import (
     ARC_TEST, ARC_TRAIN, FIXTURE_TASKS, GROUPS, GSM8K_TEST, GSM8K_TRAIN, HELLASWAG_TRAIN, HELLASWAG_VALIDATION,
     MMLU_TASKS, TAGS, WIKITEXT_TEST, run_lm_eval_reference, write_fixture_tasks,
@@ -52,7 +52,9 @@ def test_fixture_files_are_deterministic(tmp_path: Path):
 
 
 def test_tasks_groups_and_tags_resolve(include_path: Path):
-    manager = TaskManager(include_path=str(include_path))  # with lm-eval's packaged tasks: no name clashes
+    # with lm-eval's packaged tasks (no name clashes); their index from evalrun's cache, which
+    # tests/test_lm_eval_index.py holds equal to lm-eval's own TaskManager over the same folders
+    manager = task_manager(str(include_path))
     has_mmlu = MMLU_DIR.is_dir()
     tasks = {**FIXTURE_TASKS, **(MMLU_TASKS if has_mmlu else {})}
     groups = [group for group in GROUPS if has_mmlu or group != "mmlu_local"]
