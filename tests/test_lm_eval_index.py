@@ -120,6 +120,10 @@ def test_an_unreadable_cache_is_rebuilt_and_the_switch_turns_it_off(folders, bui
     assert "arc_tiny" in packaged_index(root) and len(builds) == 3
     assert "arc_tiny" in packaged_index(root) and len(builds) == 4
     assert not cached.exists()
+    include = folders[1]
+    ours = task_manager(str(include), root=root)              # lm-eval's own build over both folders
+    theirs = TaskManager(include_path=[str(root), str(include)], include_defaults=False)
+    assert _entries(ours) == _entries(theirs) and _lists(ours) == _lists(theirs) and not cached.exists()
 
 
 def test_only_the_newest_indexes_are_kept(folders, tmp_path):
