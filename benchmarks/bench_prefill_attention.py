@@ -11,7 +11,9 @@ Shapes: "mmlu" (20 questions after a cached 5-shot prefix: contexts 470-603, 64-
 prompts from scratch), "humaneval" (32 prompts of 130 tokens from scratch). --baseline-source adds
 a side running another version of paged_prefill.c (e.g. `git show REV:evalrun/kernels/cpu/csrc/paged_prefill.c
 > /tmp/old.c`), built with the same flags and called with the same arguments, for an A/B in one
-process; its outputs are compared bitwise with the current kernel's. The sides alternate for
+process; its outputs are compared bitwise with the current kernel's. Its `#include "..."` headers
+resolve next to it first, then in the tree's csrc/: an old copy needs the old headers it changed
+(e.g. paged_prefill_tiles.h) beside it, or it is built with the tree's. The sides alternate for
 --rounds rounds of --repeat calls; figures are medians, GFLOP/s count the causal work only (4 * D
 multiply-adds per query head and key it sees). The large-sgemm roof is measured before and after.
 """
