@@ -81,12 +81,13 @@ typedef __m256 vec;
 #if VW == 16                       /* 32 vector registers: tiles of 24 sums */
 #define KP 8                       /* keys per score tile */
 #define RP 6                       /* rows per value tile */
+#define DV 4                       /* vectors of D per value tile (the tile tables take up to 4) */
 #else                              /* 16 registers */
 #define KP 4
-#define RP 4
+#define RP 6                       /* 12 sums + 2 values + 1 weight in the 16 ymm; 4 x 4 spilled 5 sums: */
+#define DV 2                       /* 0.83-0.98x its time on Zen 3 (bench_prefill_attention, alternated) */
 #endif
 #define RV 3                       /* row vectors per score tile */
-#define DV 4                       /* vectors of D per value tile (the tile tables are sized for these) */
 #ifndef PF
 #define PF 8                       /* slots ahead a conversion prefetches */
 #endif

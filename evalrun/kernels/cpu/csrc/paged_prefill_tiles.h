@@ -158,5 +158,5 @@ static inline __attribute__((always_inline)) void value_tile(const float *sc, in
 VALUE_ROWS(1) VALUE_ROWS(2) VALUE_ROWS(3) VALUE_ROWS(4)
 typedef void (*ValueFn)(const float *, int64_t, const float *const *, int, int, int, int, float *, int, int);
 #define VALUE_ROW_FNS(nd) {0, value1_##nd, value2_##nd, value3_##nd, value4_##nd, value5_##nd, value6_##nd}
-static const ValueFn VALUE[DV + 1][7] = {{0}, VALUE_ROW_FNS(1), VALUE_ROW_FNS(2), VALUE_ROW_FNS(3), VALUE_ROW_FNS(4)};
+static const ValueFn VALUE[5][7] = {{0}, VALUE_ROW_FNS(1), VALUE_ROW_FNS(2), VALUE_ROW_FNS(3), VALUE_ROW_FNS(4)};
 #endif
