@@ -69,8 +69,13 @@ def test_a_cached_manager_equals_lm_evals_over_the_same_folders(folders, caplog)
     root, include = folders
     theirs = TaskManager(include_path=[str(root), str(include)], include_defaults=False)
     task_manager(str(include), root=root)                       # builds and stores the index
-    with caplog.at_level(logging.WARNING, logger="lm_eval.tasks._index"):
-        ours = task_manager(str(include), root=root)            # reads it
+    index_log = logging.getLogger("lm_eval.tasks._index")
+    index_log.addHandler(caplog.handler)        # directly: lm-eval's CLI (run by other tests) may stop propagation
+    try:
+        with caplog.at_level(logging.WARNING, logger="lm_eval.tasks._index"):
+            ours = task_manager(str(include), root=root)        # reads it
+    finally:
+        index_log.removeHandler(caplog.handler)
     assert "Task 'arc_tiny' from" in caplog.text and "overrides existing task" in caplog.text
     assert _entries(ours) == _entries(theirs) and _lists(ours) == _lists(theirs)
     assert ours.task_index["arc_tiny"].yaml_path.parent == include            # the include path's
