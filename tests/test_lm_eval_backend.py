@@ -5,6 +5,7 @@ identical filtered responses and aggregate metrics; through simple_evaluate and 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -25,6 +26,22 @@ ROOT = Path(__file__).resolve().parents[1]
 MMLU_DIR = ROOT.parent / "shared" / "data" / "mmlu"
 CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0),
          ("mmlu_local_abstract_algebra", 5)]
+
+
+@pytest.fixture(autouse=True)
+def _lm_eval_logging_restored():
+    """lm-eval's CLI (setup_logging) binds a handler to the stderr pytest captures for that test and stops
+    the "lm_eval" logger's propagation: undone after each test, so later tests' lm-eval warnings neither
+    write to a closed stream nor bypass their capture."""
+    import lm_eval.utils
+    log = logging.getLogger("lm_eval")
+    handlers, propagate, level = list(log.handlers), log.propagate, log.level
+    configured = getattr(lm_eval.utils, "_LOGGING_CONFIGURED", None)
+    yield
+    log.handlers[:] = handlers
+    log.propagate, log.level = propagate, level
+    if configured is not None:
+        lm_eval.utils._LOGGING_CONFIGURED = configured
 
 
 @pytest.fixture(scope="module")
