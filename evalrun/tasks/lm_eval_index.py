@@ -120,15 +120,21 @@ def cached_manager_class() -> type:
 
         def __init__(self, verbosity: Optional[str] = None, include_path: Any = None, include_defaults: bool = True,
                      metadata: Optional[dict] = None, packaged_root: Optional[Path] = None):
-            super().__init__(verbosity, include_path, include_defaults=False, metadata=metadata)
-            if not include_defaults:
-                return
-            if not enabled() or not all(hasattr(self, field) for field in _MANAGER_FIELDS):
-                # the cache off, or a TaskManager not laid out as lm-eval 0.4.13's (pinned): lm-eval's own way
+            def lm_evals_own_build() -> None:         # the packaged folder parsed with the include paths
                 roots = [packaged_root] if packaged_root is not None else []
                 more = list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
                 paths = roots + [p for p in more if p]
-                super().__init__(verbosity, paths or None, include_defaults=packaged_root is None, metadata=metadata)
+                super(CachedTaskManager, self).__init__(verbosity, paths or None, include_defaults=packaged_root is None,
+                                                        metadata=metadata)
+
+            if include_defaults and not enabled():
+                lm_evals_own_build()
+                return
+            super().__init__(verbosity, include_path, include_defaults=False, metadata=metadata)
+            if not include_defaults:
+                return
+            if not all(hasattr(self, field) for field in _MANAGER_FIELDS):
+                lm_evals_own_build()                  # not laid out as lm-eval 0.4.13's (pinned): its own way
                 return
             index = dict(packaged_index(packaged_root))
             for name, entry in self._index.items():
