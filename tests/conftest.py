@@ -31,6 +31,18 @@ from evalrun.demo import ensure_demo_model
 from evalrun.tasks.sandbox import Sandbox, SandboxLimits
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for `-n auto` (pyproject.toml's addopts): one per CPU this process may run on, at most
+    one per 4 GiB of memory (a worker holding SmolLM2, transformers' copy of it and lm-eval peaks at a
+    few GiB) and at most 8; PYTEST_XDIST_AUTO_NUM_WORKERS, when set, decides instead."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
+    if env.isdigit():
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cpus, int(mem_gib // 4), 8))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
