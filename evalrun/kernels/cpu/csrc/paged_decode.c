@@ -121,11 +121,14 @@ static inline int load_rows(const void *cache, const uint16_t *scales, int kind,
 /* Keys scored together, and values summed per pass over the accumulators. Interleaved A/B in a C
  * harness (30 layers of float32 pages, 32 rows x 100-400 positions, SmolLM2's 9/3 heads of 64, 2
  * threads, AVX2, pages streamed from memory): the grouped tiles below with blocks of 16/16 took
- * 0.88-0.92 of the time of one-head-at-a-time tiles with blocks of 8/64. */
+ * 0.88-0.92 of the time of one-head-at-a-time tiles with blocks of 8/64. The prefetch stream's path
+ * (float pages, no window store) takes blocks of SBLOCK (benchmarks/ab_decode_attention.py, Zen 3: 4/4
+ * took 0.89 of 16/16's time at 470 positions, 0.86 at 150, 0.94 with bf16 pages; the same bits). */
 #define BLOCK 16
 #define VBLOCK 16
+#define SBLOCK 4
 #define ROWS_MAX (BLOCK > VBLOCK ? BLOCK : VBLOCK)
-_Static_assert(ROWS_MAX <= 64, "the scratch converts at most 64 head rows at a time");
+_Static_assert(SBLOCK <= ROWS_MAX && ROWS_MAX <= 64, "the scratch converts at most 64 head rows at a time");
 
 /* out[p] = q . k[p] for the n <= BLOCK keys of a block (the path of head sizes that are not a
  * multiple of 8; dots_group takes the others). */
@@ -343,9 +346,10 @@ static void sequence(const Args *a, int b, int next, float *scores, float *rowbu
     const Stream keys = {(const char *)a->k, pages, L, P0}, values = {(const char *)a->v, pages, L, P0},
                  next_keys = {(const char *)a->k, next >= 0 ? a->page_table + (int64_t)next * a->max_pages : pages,
                               next_len, first_position(next_len, a->sliding)};
+    const int kb = stream ? SBLOCK : BLOCK, vb = stream ? SBLOCK : VBLOCK;   /* keys, values per block */
     if (stream) prefetch_ahead(&keys, &values, slot_bytes, S, P0, P0 + STREAM_PFD);
-    for (int p0 = P0; p0 < L; p0 += BLOCK) {
-        const int n = L - p0 < BLOCK ? L - p0 : BLOCK, in_cache = block_slots(pages, S, p0, n, &wk, slot);
+    for (int p0 = P0; p0 < L; p0 += kb) {
+        const int n = L - p0 < kb ? L - p0 : kb, in_cache = block_slots(pages, S, p0, n, &wk, slot);
         if (!stream && a->k_kind == KIND_F32 && p0 + PFD < L) {
             const int m = L - p0 - PFD < BLOCK ? L - p0 - PFD : BLOCK;
             prefetch_rows(a->k, ahead, block_slots(pages, S, p0 + PFD, m, &wk, ahead), W);
@@ -364,8 +368,8 @@ static void sequence(const Args *a, int b, int next, float *scores, float *rowbu
     }
     if (!stream && a->v_kind == KIND_F32)
         prefetch_rows(a->v, slot, block_slots(pages, S, P0, n_keys < VBLOCK ? n_keys : VBLOCK, &wv, slot), W);
-    for (int p0 = P0; p0 < L; p0 += VBLOCK) {
-        const int n = L - p0 < VBLOCK ? L - p0 : VBLOCK, in_cache = block_slots(pages, S, p0, n, &wv, slot);
+    for (int p0 = P0; p0 < L; p0 += vb) {
+        const int n = L - p0 < vb ? L - p0 : vb, in_cache = block_slots(pages, S, p0, n, &wv, slot);
         int ahead_n = 0;                            /* slots of the next block held in `ahead` */
         if (!stream && a->v_kind == KIND_F32 && p0 + VBLOCK < L) {
             const int m = L - p0 - VBLOCK < VBLOCK ? L - p0 - VBLOCK : VBLOCK;
