@@ -161,3 +161,19 @@ WIKITEXT_TEST = [
         "the city library , and a music prize for young composers has been awarded in her name since 1982 . \n"
     ),
 ]
+
+# LAMBADA: passages whose last word is the target (lm-eval's lambada_openai splits at the last space)
+LAMBADA_TEST = [
+    "Every morning the old fisherman walked down to the harbour to look at the boats . He had spent his whole "
+    "life on the water , and even now he could not keep away from the sea",
+    "Anna put the kettle on and took two cups from the shelf . When her brother came in from the garden , cold "
+    "and tired , she handed him a cup of hot tea",
+    "The children had been promised a trip to the zoo if it stopped raining . At nine o'clock the clouds broke , "
+    "the sun came out , and they ran to the car shouting that they were going to the zoo",
+    "He searched every pocket of his coat twice before he admitted it : he had left his keys on the kitchen "
+    "table , and the door had locked behind him . He would have to call his landlord about the keys",
+    "The orchestra tuned up while the hall slowly filled . Then the lights went down , the conductor raised his "
+    "arms , and the first notes of the symphony rose into the silent hall",
+    "Maria counted the coins on the counter again . She had exactly enough for the bread but not for the milk , "
+    "so she put the bottle back on the shelf and paid for the bread",
+]

@@ -30,6 +30,37 @@ metadata:
   version: 1.0
 """
 
+# ARC_YAML as a second task with lm-eval's acc_mutual_info (unconditional ("", choice) requests)
+ARC_MI_YAML = ARC_YAML.replace("task: arc_tiny", "tag:\n  - tiny_loglik\ntask: arc_mi_tiny").replace(
+    "metadata:", "  - metric: acc_mutual_info\n    aggregation: mean\n    higher_is_better: true\nmetadata:")
+
+# lm_eval/tasks/lambada/lambada_openai.yaml over local data
+LAMBADA_YAML = """\
+tag:
+  - tiny_loglik
+task: lambada_tiny
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    test: $test
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{text.split(' ')[:-1]|join(' ')}}"
+doc_to_target: "{{' '+text.split(' ')[-1]}}"
+should_decontaminate: true
+doc_to_decontamination_query: "{{text}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
 HELLASWAG_YAML = """\
 task: hellaswag_tiny
 dataset_path: json

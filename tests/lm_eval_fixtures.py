@@ -16,6 +16,8 @@ Layout under root (deterministic; the YAMLs name their data files by absolute pa
         gsm8k_tiny/gsm8k_tiny.yaml              tag tiny_tag
         wikitext_tiny/wikitext_tiny.yaml        tag tiny_tag; doc_to_target and process_results
         wikitext_tiny/preprocess_wikitext.py    are lm-eval's wikitext !functions
+        arc_mi_tiny/arc_mi_tiny.yaml            tag tiny_loglik; arc_tiny's data, + acc_mutual_info
+        lambada_tiny/lambada_tiny.yaml          tag tiny_loglik; output_type loglikelihood
         tiny_suite.yaml                         group: arc_tiny + hellaswag_tiny
         mmlu_local/                             only with mmlu_dir: mmlu_local_<subject> + group
 """
@@ -31,8 +33,8 @@ from pathlib import Path
 from string import Template
 from typing import Any, Iterator, Optional
 
-from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, WIKITEXT_TEST  # noqa: E402
-from lm_eval_fixture_texts import (ARC_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
+from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, LAMBADA_TEST, WIKITEXT_TEST  # noqa: E402
+from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class FixtureTask:
 MMLU_SUBJECTS = ("abstract_algebra", "anatomy")
 
 GROUPS = {"tiny_suite": ("arc_tiny", "hellaswag_tiny"), "mmlu_local": tuple(f"mmlu_local_{s}" for s in MMLU_SUBJECTS)}
-TAGS = {"tiny_tag": ("gsm8k_tiny", "wikitext_tiny")}
+TAGS = {"tiny_tag": ("gsm8k_tiny", "wikitext_tiny"), "tiny_loglik": ("arc_mi_tiny", "lambada_tiny")}
 
 
 
@@ -67,6 +69,10 @@ FIXTURE_TASKS: dict[str, FixtureTask] = {
         "wikitext_tiny", "loglikelihood_rolling", len(WIKITEXT_TEST), "test", None,
         ("word_perplexity", "byte_perplexity", "bits_per_byte"),
     ),
+    "arc_mi_tiny": FixtureTask(
+        "arc_mi_tiny", "multiple_choice", len(ARC_TEST), "test", "train", ("acc", "acc_norm", "acc_mutual_info")
+    ),
+    "lambada_tiny": FixtureTask("lambada_tiny", "loglikelihood", len(LAMBADA_TEST), "test", None, ("perplexity", "acc")),
 }
 MMLU_TASKS: dict[str, FixtureTask] = {
     f"mmlu_local_{subject}": FixtureTask(f"mmlu_local_{subject}", "multiple_choice", None, "test", "dev", ("acc",))
@@ -104,6 +110,7 @@ def fixture_rows() -> dict[str, dict[str, list[dict[str, Any]]]]:
         "gsm8k_tiny": {"train": [{"question": q, "answer": a} for q, a in GSM8K_TRAIN],
                        "test": [{"question": q, "answer": a} for q, a in GSM8K_TEST]},
         "wikitext_tiny": {"test": [{"page": page} for page in WIKITEXT_TEST]},
+        "lambada_tiny": {"test": [{"text": text} for text in LAMBADA_TEST]},
     }
 
 
@@ -112,8 +119,9 @@ def fixture_rows() -> dict[str, dict[str, list[dict[str, Any]]]]:
 def write_fixture_tasks(root: Path, mmlu_dir: Optional[Path] = None) -> Path:
     """Write the fixture tasks and their data under `root`; return the include path (root/"tasks").
 
-    Tasks: arc_tiny, hellaswag_tiny, gsm8k_tiny, wikitext_tiny (see FIXTURE_TASKS), the group
-    tiny_suite (arc_tiny + hellaswag_tiny) and the tag tiny_tag (gsm8k_tiny + wikitext_tiny).
+    Tasks: arc_tiny, hellaswag_tiny, gsm8k_tiny, wikitext_tiny, arc_mi_tiny, lambada_tiny (see
+    FIXTURE_TASKS), the group tiny_suite (arc_tiny + hellaswag_tiny) and the tags tiny_tag
+    (gsm8k_tiny + wikitext_tiny) and tiny_loglik (arc_mi_tiny + lambada_tiny).
     With `mmlu_dir` (cais/mmlu-schema dev.parquet and test.parquet holding every subject) also
     mmlu_local_<subject> for MMLU_SUBJECTS and their group mmlu_local; these include lm-eval's
     packaged mmlu/default/_default_template_yaml by absolute path, so they need lm_eval installed.
@@ -126,8 +134,11 @@ def write_fixture_tasks(root: Path, mmlu_dir: Optional[Path] = None) -> Path:
         "hellaswag_tiny": (HELLASWAG_YAML, ("utils.py", HELLASWAG_UTILS)),
         "gsm8k_tiny": (GSM8K_YAML, None),
         "wikitext_tiny": (WIKITEXT_YAML, ("preprocess_wikitext.py", WIKITEXT_UTILS)),
+        "arc_mi_tiny": (ARC_MI_YAML, None),
+        "lambada_tiny": (LAMBADA_YAML, None),
     }.items():
-        paths = {split: json.dumps(str(path)) for split, path in data_files[task].items()}
+        data = data_files["arc_tiny" if task == "arc_mi_tiny" else task]
+        paths = {split: json.dumps(str(path)) for split, path in data.items()}
         _write(tasks_dir / task / f"{task}.yaml", Template(template).substitute(paths))
         if helper is not None:
             _write(tasks_dir / task / helper[0], helper[1])
