@@ -281,6 +281,18 @@ def _kept_random_state() -> Iterator[None]:
         torch.set_rng_state(states[2])
 
 
+# (task, num_fewshot) that tests/test_lm_eval_tasks.py and tests/test_lm_eval_backend.py hold equal to lm-eval
+REFERENCE_CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0),
+                   ("mmlu_local_abstract_algebra", 5), ("arc_mi_tiny", 2), ("lambada_tiny", 0)]
+
+
+def aggregate_close(key: str, ours: Any, theirs: Any) -> bool:
+    """An aggregate "<metric>,<filter>" equal to lm-eval's: within 1e-6, except the `perplexity`
+    aggregation (and its bootstrap stderr), exp(-mean log-likelihood) of short continuations, whose
+    relative error is the log-likelihoods' absolute one: within their 1e-4."""
+    return close(ours, theirs, 1e-4 if key.split(",")[0] in ("perplexity", "perplexity_stderr") else 1e-6)
+
+
 def close(a: Any, b: Any, tol: float = 1e-4) -> bool:
     """Responses, metrics or aggregates equal: numbers within tol (absolute or relative), lists item by
     item (a tuple and a list alike, as JSON gives them), anything else exactly."""
