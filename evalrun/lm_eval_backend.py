@@ -7,6 +7,10 @@ groups, output files) with evalrun's engine answering the requests.
     import evalrun.lm_eval_backend                                    # registers "evalrun"
     lm_eval.simple_evaluate(model="evalrun", model_args="pretrained=DIR", tasks=[...])
 
+With lm-eval's --apply_chat_template (and --fewshot_as_multiturn, --system_instruction) the prompts are
+rendered by the model's chat template as lm-eval's HF backend renders them (model_args chat_template,
+enable_thinking, think_end_token and max_thinking_tokens as `evalrun task`'s chat flags).
+
 Requests are built exactly as `evalrun task` builds them (evalrun/tasks/lm_eval_requests.py: lm-eval's
 HF tokenization, scoring in the prefill), so the numbers are those of `evalrun task` and, in float32,
 those of lm-eval's HF backend. Each call's requests are queued at once (evalrun/lm_eval_backend_engine.py).
@@ -15,7 +19,8 @@ model_args: lm_eval_backend_engine.MODEL_ARGS.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional, Union
 
 import lm_eval.models  # noqa: F401 - lm-eval's own backends: get_model fills its registry only while it is empty
 import torch
@@ -25,6 +30,7 @@ from lm_eval.api.registry import register_model
 
 from evalrun.errors import BadInput, RunFailed, as_bad_input
 from evalrun.lm_eval_backend_engine import BackendSettings, Engine
+from evalrun.tasks.chat import DEFAULT_TEMPLATE, ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
 from evalrun.results.text import terminal_safe
 from evalrun.tasks.base import Answer
 from evalrun.tasks.lm_eval_index import lm_eval_uses_the_cache
@@ -45,8 +51,13 @@ class EvalrunLM(LM):
 
     def __init__(self, **model_args: Any) -> None:
         super().__init__()
-        self.engine = Engine.open(BackendSettings.from_model_args(model_args))
+        settings = BackendSettings.from_model_args(model_args)
+        self.engine = Engine.open(settings)
         self._device = self.engine.config.device
+        self.chat = ChatOptions(settings.chat_template or DEFAULT_TEMPLATE, enable_thinking=settings.enable_thinking,
+                                think_end=settings.think_end_token, max_thinking_tokens=settings.max_thinking_tokens)
+        self.think = think_end_of(self.engine.encoder.tokenizer, self.chat, settings)
+        self._render: Optional[ChatRenderer] = None
 
     @property
     def max_length(self) -> int:
@@ -58,6 +69,37 @@ class EvalrunLM(LM):
         return {"model_dtype": cfg.dtype, "evalrun": {
             "device": cfg.device, "cache_mode": cfg.cache_mode, "deterministic": cfg.deterministic,
             "page_size": cfg.page_size, "max_length": self.max_length, "engine_choices": cfg.choices_record()}}
+
+    # -- chat templates (lm-eval's --apply_chat_template: it renders each prompt through these) -------------
+
+    def chat_template(self, chat_template: Union[bool, str, None] = False) -> Optional[str]:
+        """The source of the template that renders the prompts (None: no template). lm-eval's
+        `--apply_chat_template NAME` passes the name here before any prompt is built: it selects the model's
+        template of that name (ChatTemplateError in one line where the model has none such)."""
+        if chat_template is False or chat_template is None:
+            return None
+        if isinstance(chat_template, str) and chat_template not in ("", DEFAULT_TEMPLATE, self.chat.template):
+            self.engine.encoder.tokenizer.chat_template_source(chat_template)       # the model has it
+            self.chat, self._render = replace(self.chat, template=chat_template), None
+        return self.engine.encoder.tokenizer.chat_template_source(self.chat.template_name)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """lm-eval's request-cache fingerprint under a template: the model's path ("/" as "__", as HF's
+        backend writes it) and the selected template's hash, so a cache of prompts rendered by another
+        template is not read back."""
+        template = self.engine.encoder.tokenizer.chat_template_hash(self.chat.template_name)[:16]
+        return f"{str(self.engine.model_dir).replace('/', '__')}__{template}"
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The messages rendered as lm-eval's HF backend renders them (continue_final_message when no
+        generation prompt is added; a template that refuses the system turn is rendered without it),
+        with enable_thinking passed where model_args set it."""
+        if self._render is None:
+            self._render = ChatRenderer(self.engine.encoder.tokenizer, self.chat, keep_sources=False)
+        return self._render(chat_history, add_generation_prompt)
+
+    # -- requests ------------------------------------------------------------------------------------------------
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = True) -> list[tuple[float, bool]]:
         enc = self.engine.encoder
@@ -85,11 +127,13 @@ class EvalrunLM(LM):
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = True) -> list[str]:
         """Greedy, or sampled where gen_kwargs ask (do_sample, temperature > 0), seeded per request."""
         enc, base = self.engine.encoder, torch.initial_seed()
-        asked = [generation_request(NO_KEY, 0, enc, r.args[0], r.args[1], request_seed(base, i))
+        asked = [generation_request(NO_KEY, 0, enc, r.args[0], r.args[1], request_seed(base, i), self.think,
+                                    self.chat.max_thinking_tokens)
                  for i, r in enumerate(requests)]
+        think = self.think.text if self.think is not None else None
 
         def read(i: int, answer: Answer) -> str:
-            return cut_at_stops(answer.text, requests[i].args[1], enc.eos_text)
+            return cut_at_stops(answer.text, requests[i].args[1], enc.eos_text, think)
         out = self.engine.answer(asked, read, progress=not disable_tqdm)
         return self._cached("generate_until", requests, out)
 
@@ -98,6 +142,29 @@ class EvalrunLM(LM):
         for r, value in zip(requests, out):
             self.cache_hook.add_partial(kind, r.args, value)
         return out
+
+
+def think_end_of(tokenizer: Any, chat: ChatOptions, settings: BackendSettings) -> Optional[ThinkEnd]:
+    """The end-of-thinking marker a generation is cut at: model_args think_end_token; with
+    enable_thinking=true and none given, `</think>` where the model's template or vocabulary has it
+    (lm-eval's HF backend requires think_end_token there); else none. BadInput where a thinking budget
+    or enable_thinking=true has no marker."""
+    if settings.think_end_token is None and not settings.enable_thinking:
+        if settings.max_thinking_tokens is not None:
+            raise BadInput("--model evalrun: model_args max_thinking_tokens needs a marker to force: give "
+                           "think_end_token")
+        return None
+    try:
+        think = resolve_think_end(tokenizer, replace(chat, max_thinking_tokens=None))
+    except ValueError as exc:                   # a token id outside the vocabulary
+        raise BadInput(f"--model evalrun: model_args think_end_token: {exc}") from None
+    if think is None and settings.think_end_token is not None:
+        raise BadInput(f"--model evalrun: model_args think_end_token {settings.think_end_token!r} is no text or "
+                       "no token of this model")
+    if think is None:
+        raise BadInput("--model evalrun: model_args enable_thinking=true needs think_end_token: the model's chat "
+                       "template and vocabulary declare no </think>")
+    return think
 
 
 def main() -> int:

@@ -41,6 +41,14 @@ MODEL_ARGS = {
     "deterministic": "auto (default), on/True or off/False: batch-invariant linears",
     "device": "auto, cpu or cuda[:N] (lm-eval's --device; CUDA where the host has none: auto)",
     "batch_size": "accepted and ignored: the engine batches by itself",
+    "chat_template": "under --apply_chat_template, which of the model's named chat templates renders the prompts "
+                     "(default: its default one; lm-eval's --apply_chat_template NAME selects one too)",
+    "enable_thinking": "true or false, passed to the chat template (Qwen3; default: the template's own default)",
+    "think_end_token": "a reasoning model's end-of-thinking marker, a string or a token id: a generation up to its "
+                       "last occurrence is removed before the filters (default: none; with enable_thinking=true, "
+                       "</think> where the model's template or vocabulary has it)",
+    "max_thinking_tokens": "thinking budget: after N generated tokens without the marker, it is forced "
+                           "(default: none)",
 }
 
 
@@ -49,6 +57,10 @@ class BackendSettings:
     pretrained: str
     engine: EngineRequest
     max_length: Optional[int] = None            # None: the model's context (or the cache's, if smaller)
+    chat_template: Optional[str] = None         # a named chat template (None: the model's default)
+    enable_thinking: Optional[bool] = None      # None: not passed to the template
+    think_end_token: Optional[str] = None       # a marker text, or a token id as digits
+    max_thinking_tokens: Optional[int] = None
 
     @classmethod
     def from_model_args(cls, args: dict[str, Any]) -> "BackendSettings":
@@ -65,20 +77,38 @@ class BackendSettings:
                                cache_tokens=_count(args, "cache_tokens"),
                                deterministic=_on_off(args.get("deterministic", "auto")),
                                max_batch_size=_count(args, "max_batch_size"))
-        return cls(str(args["pretrained"]), engine, _count(args, "max_length"))
+        template = args.get("chat_template")
+        think_end = args.get("think_end_token")
+        if think_end is not None and str(think_end) == "":
+            raise BadInput("--model evalrun: model_args think_end_token is empty")
+        return cls(str(args["pretrained"]), engine, _count(args, "max_length"),
+                   None if template in (None, "", "default") else str(template),
+                   _bool_or_none(args, "enable_thinking"), None if think_end is None else str(think_end),
+                   _count(args, "max_thinking_tokens", zero=True))
 
 
-def _count(args: dict[str, Any], key: str) -> Optional[int]:
+def _count(args: dict[str, Any], key: str, zero: bool = False) -> Optional[int]:
     value = args.get(key)
     if value is None or value == "auto":
         return None
     try:
         number = int(value)
     except (TypeError, ValueError):
-        number = 0
-    if number < 1 or str(number) != str(value).strip():
-        raise BadInput(f"--model evalrun: model_args {key} must be a positive integer, got {value!r}")
+        number = -1
+    if number < (0 if zero else 1) or str(number) != str(value).strip():
+        kind = "a non-negative" if zero else "a positive"
+        raise BadInput(f"--model evalrun: model_args {key} must be {kind} integer, got {value!r}")
     return number
+
+
+def _bool_or_none(args: dict[str, Any], key: str) -> Optional[bool]:
+    value = args.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise BadInput(f"--model evalrun: model_args {key} must be true or false, got {value!r}")
+    return text == "true"
 
 
 def _device(value: Any) -> str:
@@ -104,6 +134,7 @@ class Engine:
     generator: DynamicGenerator
     encoder: Encoder                # lm-eval's HF tokenization, cut to encoder.max_length
     config: EngineConfig
+    model_dir: Path
 
     @classmethod
     def open(cls, settings: BackendSettings) -> "Engine":
@@ -116,7 +147,7 @@ class Engine:
         if settings.max_length is not None and settings.max_length > fits:
             raise BadInput(f"--model evalrun: max_length {settings.max_length} is longer than the model's context "
                            f"or the KV cache ({fits} tokens)")
-        return cls(generator, Encoder.for_model(tokenizer, settings.max_length or fits), cfg)
+        return cls(generator, Encoder.for_model(tokenizer, settings.max_length or fits), cfg, Path(model_dir))
 
     def answer(self, requests: Sequence[Request], read: Callable[[int, Answer], T], progress: bool = False) -> list[T]:
         """[read(i, answer of requests[i]) for each i], every request queued at once, identical

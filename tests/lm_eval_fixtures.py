@@ -200,11 +200,14 @@ def run_lm_eval_reference(
     include_path: Path,
     num_fewshot: Optional[int] = None,
     limit: Optional[int] = None,
+    model_args: str = "",
     **chat: Any,
 ) -> dict:
     """Run lm-eval 0.4.13's `simple_evaluate` (HF backend, float32, CPU, batch size 1, default
     seeds: random 0, numpy / torch / few-shot sampler 1234, 100000 bootstrap iterations) on
-    `tasks` (task, group or tag names) from `include_path` alone (no packaged tasks indexed).
+    `tasks` (task, group or tag names) from `include_path` alone (no packaged tasks indexed);
+    `model_args`: more of the HF backend's model_args ("k=v,..."); `chat`: simple_evaluate's chat
+    arguments (apply_chat_template, fewshot_as_multiturn, system_instruction).
 
     Returns, JSON round-tripped (tuples become lists, numpy scalars floats, non-JSON objects str):
       results           {task or group: {"name", "alias", "sample_len", "<metric>,<filter>": value,
@@ -235,7 +238,7 @@ def run_lm_eval_reference(
 
         out = simple_evaluate(
             model="hf",
-            model_args=f"pretrained={model_dir},dtype=float32",
+            model_args=f"pretrained={model_dir},dtype=float32" + (f",{model_args}" if model_args else ""),
             tasks=list(tasks),
             num_fewshot=num_fewshot,
             limit=limit,

@@ -245,6 +245,10 @@ class Tokenizer:
         """The names of the model's chat templates, sorted ("default" among them when it has one)."""
         return self.chat_templates.names()
 
+    def chat_template_source(self, template: Optional[str] = None) -> str:
+        """The selected template's source: `template` as in apply_chat_template (None: the default)."""
+        return self._chat_template(template, has_tools=False).source
+
     def chat_template_hash(self, template: Optional[str] = None) -> str:
         """The sha256 (hex) of the selected template's source: `template` as in apply_chat_template
         (None: the default)."""

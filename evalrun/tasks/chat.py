@@ -186,8 +186,8 @@ class ChatRenderer:
     (HFLM.apply_chat_template): continue_final_message when no generation prompt is added; a
     template that raises on the system turn is rendered again without it."""
 
-    def __init__(self, tokenizer: Any, options: ChatOptions):
-        self.tokenizer, self.options = tokenizer, options
+    def __init__(self, tokenizer: Any, options: ChatOptions, keep_sources: bool = True):
+        self.tokenizer, self.options, self.keep_sources = tokenizer, options, keep_sources
         self.sources: dict[str, dict[str, Any]] = {}     # rendered text -> what it was rendered from
 
     def __call__(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -202,7 +202,8 @@ class ChatRenderer:
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt,
             template=self.options.template_name, **self.options.template_kwargs())
-        self.sources[text] = {"messages": messages, "generation_prompt": add_generation_prompt}
+        if self.keep_sources:
+            self.sources[text] = {"messages": messages, "generation_prompt": add_generation_prompt}
         return text
 
 
