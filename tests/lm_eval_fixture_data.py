@@ -177,3 +177,19 @@ LAMBADA_TEST = [
     "Maria counted the coins on the counter again . She had exactly enough for the bread but not for the milk , "
     "so she put the bottle back on the shelf and paid for the bread",
 ]
+
+# Winogrande: the blank "_" is filled with each option (the choices are contexts; the continuation,
+# the text after the blank, is shared); answer "1" or "2"
+WINOGRANDE_TRAIN = [
+    ("The trophy doesn't fit into the brown suitcase because the _ is too large.", "trophy", "suitcase", "1"),
+    ("The trophy doesn't fit into the brown suitcase because the _ is too small.", "trophy", "suitcase", "2"),
+    ("Sarah lent her bike to Maria because _ did not need it that week.", "Sarah", "Maria", "1"),
+    ("Sarah lent her bike to Maria because _ needed it to get to work.", "Sarah", "Maria", "2"),
+]
+WINOGRANDE_VALIDATION = [
+    ("The cat chased the mouse until the _ got tired and stopped running.", "cat", "mouse", "1"),
+    ("The lamp could not light the whole room because the _ was too dim.", "lamp", "room", "1"),
+    ("John could not lift the box onto the shelf because the _ was too heavy.", "box", "shelf", "1"),
+    ("The water poured from the bottle into the cup until the _ was full.", "bottle", "cup", "2"),
+    ("Kevin always beat Ryan at chess because _ had studied the openings for years.", "Kevin", "Ryan", "1"),
+]

@@ -18,6 +18,8 @@ Layout under root (deterministic; the YAMLs name their data files by absolute pa
         wikitext_tiny/preprocess_wikitext.py    are lm-eval's wikitext !functions
         arc_mi_tiny/arc_mi_tiny.yaml            tag tiny_loglik; arc_tiny's data, + acc_mutual_info
         lambada_tiny/lambada_tiny.yaml          tag tiny_loglik; output_type loglikelihood
+        winogrande_tiny/winogrande_tiny.yaml    tag tiny_loglik; the choices are contexts, the continuation shared;
+        winogrande_tiny/preprocess_winogrande.py    lm-eval's own !function module, copied
         tiny_suite.yaml                         group: arc_tiny + hellaswag_tiny
         mmlu_local/                             only with mmlu_dir: mmlu_local_<subject> + group
 """
@@ -33,8 +35,8 @@ from pathlib import Path
 from string import Template
 from typing import Any, Iterator, Optional
 
-from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, LAMBADA_TEST, WIKITEXT_TEST  # noqa: E402
-from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
+from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, LAMBADA_TEST, WIKITEXT_TEST, WINOGRANDE_TRAIN, WINOGRANDE_VALIDATION  # noqa: E402
+from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, WINOGRANDE_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class FixtureTask:
 MMLU_SUBJECTS = ("abstract_algebra", "anatomy")
 
 GROUPS = {"tiny_suite": ("arc_tiny", "hellaswag_tiny"), "mmlu_local": tuple(f"mmlu_local_{s}" for s in MMLU_SUBJECTS)}
-TAGS = {"tiny_tag": ("gsm8k_tiny", "wikitext_tiny"), "tiny_loglik": ("arc_mi_tiny", "lambada_tiny")}
+TAGS = {"tiny_tag": ("gsm8k_tiny", "wikitext_tiny"),
+        "tiny_loglik": ("arc_mi_tiny", "lambada_tiny", "winogrande_tiny")}
 
 
 
@@ -73,6 +76,8 @@ FIXTURE_TASKS: dict[str, FixtureTask] = {
         "arc_mi_tiny", "multiple_choice", len(ARC_TEST), "test", "train", ("acc", "acc_norm", "acc_mutual_info")
     ),
     "lambada_tiny": FixtureTask("lambada_tiny", "loglikelihood", len(LAMBADA_TEST), "test", None, ("perplexity", "acc")),
+    "winogrande_tiny": FixtureTask("winogrande_tiny", "multiple_choice", len(WINOGRANDE_VALIDATION), "validation",
+                                   None, ("acc",)),
 }
 MMLU_TASKS: dict[str, FixtureTask] = {
     f"mmlu_local_{subject}": FixtureTask(f"mmlu_local_{subject}", "multiple_choice", None, "test", "dev", ("acc",))
@@ -111,6 +116,8 @@ def fixture_rows() -> dict[str, dict[str, list[dict[str, Any]]]]:
                        "test": [{"question": q, "answer": a} for q, a in GSM8K_TEST]},
         "wikitext_tiny": {"test": [{"page": page} for page in WIKITEXT_TEST]},
         "lambada_tiny": {"test": [{"text": text} for text in LAMBADA_TEST]},
+        "winogrande_tiny": {split: [{"sentence": s, "option1": o1, "option2": o2, "answer": a} for s, o1, o2, a in rows]
+                            for split, rows in (("train", WINOGRANDE_TRAIN), ("validation", WINOGRANDE_VALIDATION))},
     }
 
 
@@ -119,9 +126,9 @@ def fixture_rows() -> dict[str, dict[str, list[dict[str, Any]]]]:
 def write_fixture_tasks(root: Path, mmlu_dir: Optional[Path] = None) -> Path:
     """Write the fixture tasks and their data under `root`; return the include path (root/"tasks").
 
-    Tasks: arc_tiny, hellaswag_tiny, gsm8k_tiny, wikitext_tiny, arc_mi_tiny, lambada_tiny (see
+    Tasks: arc_tiny, hellaswag_tiny, gsm8k_tiny, wikitext_tiny, arc_mi_tiny, lambada_tiny, winogrande_tiny (see
     FIXTURE_TASKS), the group tiny_suite (arc_tiny + hellaswag_tiny) and the tags tiny_tag
-    (gsm8k_tiny + wikitext_tiny) and tiny_loglik (arc_mi_tiny + lambada_tiny).
+    (gsm8k_tiny + wikitext_tiny) and tiny_loglik (arc_mi_tiny, lambada_tiny, winogrande_tiny).
     With `mmlu_dir` (cais/mmlu-schema dev.parquet and test.parquet holding every subject) also
     mmlu_local_<subject> for MMLU_SUBJECTS and their group mmlu_local; these include lm-eval's
     packaged mmlu/default/_default_template_yaml by absolute path, so they need lm_eval installed.
@@ -136,6 +143,7 @@ def write_fixture_tasks(root: Path, mmlu_dir: Optional[Path] = None) -> Path:
         "wikitext_tiny": (WIKITEXT_YAML, ("preprocess_wikitext.py", WIKITEXT_UTILS)),
         "arc_mi_tiny": (ARC_MI_YAML, None),
         "lambada_tiny": (LAMBADA_YAML, None),
+        "winogrande_tiny": (WINOGRANDE_YAML, ("preprocess_winogrande.py", lm_eval_task_file("winogrande/preprocess_winogrande.py"))),
     }.items():
         data = data_files["arc_tiny" if task == "arc_mi_tiny" else task]
         paths = {split: json.dumps(str(path)) for split, path in data.items()}
@@ -176,6 +184,16 @@ def _write_mmlu_tasks(out_dir: Path, mmlu_dir: Path) -> None:
 def mmlu_description(subject: str) -> str:
     """The `description` of lm-eval's mmlu/default/mmlu_<subject>.yaml."""
     return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+def lm_eval_task_file(relative: str) -> str:
+    """The text of one of lm-eval's packaged task files, lm_eval/tasks/<relative>."""
+    import lm_eval
+
+    path = Path(lm_eval.__file__).resolve().parent / "tasks" / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"lm-eval's task file is missing: {path}")
+    return path.read_text(encoding="utf-8")
 
 
 def lm_eval_mmlu_template() -> Path:
@@ -286,7 +304,7 @@ def _kept_random_state() -> Iterator[None]:
 
 # (task, num_fewshot) that tests/test_lm_eval_tasks.py and tests/test_lm_eval_backend.py hold equal to lm-eval
 REFERENCE_CASES = [("arc_tiny", 2), ("hellaswag_tiny", 2), ("gsm8k_tiny", 2), ("wikitext_tiny", 0),
-                   ("mmlu_local_abstract_algebra", 5), ("arc_mi_tiny", 2), ("lambada_tiny", 0)]
+                   ("mmlu_local_abstract_algebra", 5), ("arc_mi_tiny", 2), ("lambada_tiny", 0), ("winogrande_tiny", 2)]
 
 
 def aggregate_close(key: str, ours: Any, theirs: Any) -> bool:

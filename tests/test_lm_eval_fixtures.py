@@ -45,7 +45,7 @@ def include_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fixture_files_are_deterministic(tmp_path: Path):
     first, second = write_fixture_tasks(tmp_path / "a"), write_fixture_tasks(tmp_path / "b")
     files = sorted(p.relative_to(first.parent) for p in first.parent.rglob("*") if p.is_file())
-    assert len(files) == 17  # 8 data files, 7 YAMLs, 2 !function modules
+    assert len(files) == 21  # 10 data files, 8 YAMLs, 3 !function modules
     for rel in files:
         text = (first.parent / rel).read_text().replace(str(first.parent), "ROOT")
         assert text == (second.parent / rel).read_text().replace(str(second.parent), "ROOT"), rel
