@@ -105,11 +105,36 @@ def score_request(key: tuple, part: int, ctx: list[int], cont: list[int], max_le
     return Request(key, tuple(inp), 1, True, part, score_from=first if first < len(inp) else None), cont[-1]
 
 
+# generation_kwargs the engine honours (lm-eval's aliases of max_gen_toks included); num_beams only as 1
+HONOURED_GEN_KWARGS = ("until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens", "do_sample",
+                       "temperature", "top_p", "top_k", "min_p")
+
+
+def unsupported_gen_kwarg(gen_kwargs: Optional[dict]) -> Optional[str]:
+    """The first key of a task's generation_kwargs the engine would not honour, as `key=value` (None: every
+    one is honoured): any key outside HONOURED_GEN_KWARGS, num_beams other than 1."""
+    for key, value in (gen_kwargs or {}).items():
+        if key == "num_beams" and str(value) == "1":
+            continue
+        if key not in HONOURED_GEN_KWARGS:
+            return f"{key}={value!r}"
+    return None
+
+
+def check_gen_kwargs(gen_kwargs: Optional[dict], where: str = "") -> None:
+    """TaskSettingError, one line naming the key, for generation_kwargs the engine would not honour."""
+    bad = unsupported_gen_kwarg(gen_kwargs)
+    if bad is not None:
+        raise TaskSettingError(f"{where}generation_kwargs {bad} is not supported (evalrun honours "
+                               f"{', '.join(HONOURED_GEN_KWARGS)}, and num_beams=1)")
+
+
 def generation_request(key: tuple, part: int, enc: Encoder, context: str, gen_kwargs: dict,
                        seed: Optional[int], think: Any = None, max_thinking_tokens: Optional[int] = None) -> Request:
     """`think`: a reasoning model's ThinkEnd (evalrun/tasks/chat.py): the engine checks the stop strings
     only after it, and forces it after `max_thinking_tokens`."""
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+    check_gen_kwargs(gen_kwargs)
     kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
     until = handle_stop_sequences(kwargs.pop("until", None), eos=enc.eos_text or None)
     max_gen = int(kwargs.pop("max_gen_toks"))
@@ -119,8 +144,11 @@ def generation_request(key: tuple, part: int, enc: Encoder, context: str, gen_kw
     ids = ids[-(enc.max_length - max_gen):]
     sampler = None
     if kwargs.get("do_sample") and float(kwargs.get("temperature", 0.0)) > 0:
-        sampler = SamplerSettings(temperature=float(kwargs["temperature"]), top_p=float(kwargs.get("top_p", 1.0)),
-                                  top_k=int(kwargs.get("top_k", 0) or 0))
+        try:
+            sampler = SamplerSettings(temperature=float(kwargs["temperature"]), top_p=float(kwargs.get("top_p", 1.0)),
+                                      top_k=int(kwargs.get("top_k", 0) or 0), min_p=float(kwargs.get("min_p", 0.0)))
+        except (TypeError, ValueError) as exc:
+            raise TaskSettingError(f"generation_kwargs: {exc}") from None
     stops = tuple(enc.tokenizer.eos_token_ids) + tuple(u for u in until if u)
     if think is not None and max_thinking_tokens is not None and max_thinking_tokens >= max_gen:
         raise TaskSettingError(f"--max-thinking-tokens ({max_thinking_tokens}) leaves no room for an answer in the "

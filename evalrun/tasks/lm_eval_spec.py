@@ -21,6 +21,7 @@ class LmEvalOptions:
     num_fewshot: Optional[int] = None
     limit: Optional[float] = None
     bootstrap_iters: int = 100000
+    gen_kwargs: Optional[Sequence[str]] = None   # lm-eval's --gen_kwargs words, as given
     chat: ChatOptions = ChatOptions()
 
     def __post_init__(self) -> None:
@@ -32,14 +33,42 @@ class LmEvalOptions:
             raise TaskSettingError(f"--limit must be a count >= 1 or a fraction in (0, 1), got {self.limit}")
         if self.bootstrap_iters < 0:
             raise TaskSettingError(f"--bootstrap-iters must be >= 0, got {self.bootstrap_iters}")
+        if self.gen_kwargs is not None:
+            object.__setattr__(self, "gen_kwargs", tuple(self.gen_kwargs))
+            self.generation_overrides            # parsed now: a bad word is refused before anything loads
 
     @property
     def names(self) -> list[str]:
         return [n.strip() for n in (self.tasks or "").split(",") if n.strip()]
 
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """--gen-kwargs as lm-eval's CLI parses its --gen_kwargs: one JSON object, or `key=value` words
+        (comma-separated or not; values as Python literals, else strings), later keys winning."""
+        return parse_gen_kwargs(self.gen_kwargs or ())
+
+
+def parse_gen_kwargs(words: Sequence[str]) -> dict[str, Any]:
+    try:
+        from lm_eval._cli.utils import key_val_to_dict, try_parse_json
+    except ImportError as exc:
+        raise TaskSettingError(f"--gen-kwargs needs lm-evaluation-harness (pip install 'evalrun[lm-eval]'): "
+                               f"{exc}") from None
+    out: dict[str, Any] = {}
+    try:
+        first = try_parse_json(words[0]) if words else None
+        if isinstance(first, dict):
+            return first
+        for word in words:
+            out.update(key_val_to_dict(word))
+    except ValueError as exc:
+        raise TaskSettingError(f"--gen-kwargs: {exc}") from None
+    return out
+
 
 def _build(options: LmEvalOptions, seed: int) -> LmEvalTask:
-    tasks, groups = load_suite(options.names, options.include_path, options.num_fewshot)
+    tasks, groups = load_suite(options.names, options.include_path, options.num_fewshot,
+                               options.generation_overrides or None)
     return LmEvalTask(tasks, options.limit, groups=groups, chat=options.chat)
 
 
@@ -52,7 +81,8 @@ def _identity(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
 def _manifest_extra(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
     import lm_eval
     return {"lm_eval": {"version": getattr(lm_eval, "__version__", "?"), "tasks": options.names,
-                        "include_path": options.include_path, "bootstrap_iters": options.bootstrap_iters}}
+                        "include_path": options.include_path, "bootstrap_iters": options.bootstrap_iters,
+                        "gen_kwargs": options.generation_overrides}}
 
 
 def _summarize(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -103,6 +133,10 @@ CLI_ARGS = (
            type=float),
     CliArg(("--bootstrap-iters", "--bootstrap_iters"), "bootstrap iterations of lm-eval's stderr for metrics "
            "without a closed form (default: 100000, lm-eval's)", dest="bootstrap_iters", type=int, default=100000),
+    CliArg(("--gen-kwargs", "--gen_kwargs"), "generation arguments laid over each generate_until task's "
+           "generation_kwargs, as lm-eval's --gen_kwargs: KEY=VALUE words or one JSON object, e.g. max_gen_toks=1024 "
+           "or temperature=0.6 do_sample=True top_p=0.95 (default: the tasks' own)", dest="gen_kwargs", nargs="+",
+           metavar="KEY=VALUE"),
 )
 
 SPEC = TaskSpec(

@@ -32,7 +32,8 @@ from typing import Any, Collection, Iterator, Optional, Sequence
 from .base import Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError, estimate_tokens, prompt_hash
 from .chat import ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
 from .lm_eval_index import task_manager
-from .lm_eval_requests import Ask, Encoder, cut_at_stops, generation_request, loglikelihood, score_request
+from .lm_eval_requests import (Ask, Encoder, check_gen_kwargs, cut_at_stops, generation_request, loglikelihood,
+                               score_request)
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
 UNSUPPORTED = {                # config fields this runner refuses (the line names the field)
@@ -57,11 +58,11 @@ def load_tasks(names: Sequence[str], include_path: Optional[str], num_fewshot: O
     return load_suite(names, include_path, num_fewshot)[0]
 
 
-def load_suite(names: Sequence[str], include_path: Optional[str],
-               num_fewshot: Optional[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+def load_suite(names: Sequence[str], include_path: Optional[str], num_fewshot: Optional[int],
+               gen_kwargs: Optional[dict] = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """({task name: lm-eval task object}, {group name: lm-eval Group}) for the names (groups and tags
-    expanded), configured as lm-eval's simple_evaluate configures them; TaskSettingError/TaskDataError
-    in one line."""
+    expanded), configured as lm-eval's simple_evaluate configures them (`gen_kwargs`, its --gen_kwargs:
+    laid over each generate_until task's generation_kwargs); TaskSettingError/TaskDataError in one line."""
     _lm_eval()
     if not names:
         raise TaskSettingError("--tasks names no task")
@@ -85,6 +86,8 @@ def load_suite(names: Sequence[str], include_path: Optional[str],
             first = (str(exc).splitlines() or [""])[0]
             raise TaskDataError(f"task {name}: could not load it: {type(exc).__name__}: {first}") from None
     for name, task in tasks.items():
+        if gen_kwargs and task.get_config("output_type") == "generate_until":
+            task.set_config(key="generation_kwargs", value=dict(gen_kwargs), update=True)
         _check_supported(name, task)
         if num_fewshot is not None and task.get_config("num_fewshot") != 0:
             task.set_config(key="num_fewshot", value=num_fewshot)
@@ -102,6 +105,8 @@ def _check_supported(name: str, task: Any) -> None:
     for field, what in UNSUPPORTED.items():
         if task.get_config(field):
             raise TaskSettingError(f"task {name}: {field} ({what}) is not supported")
+    if output_type == "generate_until":
+        check_gen_kwargs(task.get_config("generation_kwargs"), f"task {name}: ")
 
 
 class LmEvalTask:
