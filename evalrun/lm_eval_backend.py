@@ -18,6 +18,7 @@ model_args: lm_eval_backend_engine.MODEL_ARGS.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -51,6 +52,9 @@ class EvalrunLM(LM):
 
     def __init__(self, **model_args: Any) -> None:
         super().__init__()
+        # lm-eval bootstraps some stderrs in a multiprocessing pool forked from this process, whose workers
+        # can hang once the engine's threads exist; its in-process path gives the same numbers
+        os.environ.setdefault("DISABLE_MULTIPROC", "1")
         settings = BackendSettings.from_model_args(model_args)
         self.engine = Engine.open(settings)
         self._device = self.engine.config.device

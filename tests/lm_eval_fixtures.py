@@ -248,8 +248,10 @@ def run_lm_eval_reference(
         doc_hash, prompt_hash, target_hash: lm-eval's sha256 hex digests
     """
     # NOTE: USE_HUB_KERNELS=0 keeps transformers 5 from loading Hugging Face's `kernels` package;
+    # DISABLE_MULTIPROC=1 runs lm-eval's stderr bootstrap in this process (the same numbers; its pool of
+    # workers forked from a test process that ran the engine can hang);
     # simple_evaluate seeds python's, numpy's and torch's global generators, which are restored after.
-    with _environ(USE_HUB_KERNELS="0"), _kept_random_state():
+    with _environ(USE_HUB_KERNELS="0", DISABLE_MULTIPROC="1"), _kept_random_state():
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
         from lm_eval.utils import handle_non_serializable

@@ -175,3 +175,20 @@ def test_a_group_is_aggregated_as_lm_eval_aggregates_it(tiny_model_dir, include_
     mine = summary["groups"]["tiny_suite"]
     keys = [k for k in ref["results"]["tiny_suite"] if "," in k]
     assert keys and all(_close(mine[k], ref["results"]["tiny_suite"][k], 1e-6) for k in keys), (mine, ref["results"])
+
+
+@pytest.mark.parametrize("iters", [0, 1000])
+def test_bootstrap_iters_reach_the_stderrs(tiny_model_dir, include_path, tmp_path, iters):
+    """--bootstrap-iters as lm-eval's: 0 leaves every stderr "N/A"; 1000 bootstraps perplexity's stderr as
+    lm-eval does with 1000 (not with its default 100000)."""
+    ref = run_lm_eval_reference(tiny_model_dir, ["lambada_tiny"], include_path, bootstrap_iters=iters)
+    _ours(tiny_model_dir, "lambada_tiny", include_path, tmp_path / "run", "--bootstrap-iters", str(iters))
+    mine = json.loads((tmp_path / "run" / "summary.json").read_text())["tasks"]["lambada_tiny"]
+    want = ref["results"]["lambada_tiny"]
+    stderrs = [k for k in want if "_stderr," in k]
+    assert stderrs and all(aggregate_close(k, mine[k], want[k]) for k in stderrs), (mine, want)
+    if iters == 0:
+        assert all(mine[k] == "N/A" for k in stderrs)
+    else:
+        default = run_lm_eval_reference(tiny_model_dir, ["lambada_tiny"], include_path)["results"]["lambada_tiny"]
+        assert mine["perplexity_stderr,none"] != default["perplexity_stderr,none"]

@@ -69,7 +69,7 @@ def parse_gen_kwargs(words: Sequence[str]) -> dict[str, Any]:
 def _build(options: LmEvalOptions, seed: int) -> LmEvalTask:
     tasks, groups = load_suite(options.names, options.include_path, options.num_fewshot,
                                options.generation_overrides or None)
-    return LmEvalTask(tasks, options.limit, groups=groups, chat=options.chat)
+    return LmEvalTask(tasks, options.limit, groups=groups, chat=options.chat, bootstrap_iters=options.bootstrap_iters)
 
 
 def _identity(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:

@@ -115,8 +115,10 @@ class LmEvalTask:
     progress_metric = "correct"
 
     def __init__(self, tasks: dict[str, Any], limit: Optional[float] = None, only: Optional[Collection[tuple]] = None,
-                 groups: Optional[dict[str, Any]] = None, chat: ChatOptions = ChatOptions()):
+                 groups: Optional[dict[str, Any]] = None, chat: ChatOptions = ChatOptions(),
+                 bootstrap_iters: int = 100000):
         self.tasks, self.limit, self.groups, self.chat = tasks, limit, groups or {}, chat
+        self.bootstrap_iters = bootstrap_iters         # lm-eval's --bootstrap_iters, for the summary's stderrs
         self.only = frozenset(only) if only is not None else None
         self.instances = self._build_requests(None, rebuild=False)
         self.encoder: Optional[Encoder] = None
@@ -160,7 +162,7 @@ class LmEvalTask:
 
     def restricted(self, keys: Collection[tuple]) -> "LmEvalTask":
         only = keys if self.only is None else self.only & frozenset(keys)
-        return LmEvalTask(self.tasks, self.limit, only, self.groups, self.chat)
+        return LmEvalTask(self.tasks, self.limit, only, self.groups, self.chat, self.bootstrap_iters)
 
     def prefix_groups(self) -> list[PrefixGroup]:
         groups = []
@@ -262,7 +264,8 @@ class LmEvalTask:
         return [cut_at_stops(by_part[a.request].text, inst.args[1], eos, think) for a in asks]
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        per_task, overall = summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()})
+        per_task, overall = summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()},
+                                           self.bootstrap_iters)
         metrics = {t["task_name"]: {**t, "sample_len": t["n"]} for t in per_task}
         overall["groups"] = {name: {k: v for k, v in group.aggregate(metrics).items() if k not in ("alias", "name")}
                              for name, group in self.groups.items() if group.has_aggregation}
@@ -272,9 +275,11 @@ class LmEvalTask:
 def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregations: Optional[dict] = None,
                    bootstrap_iters: int = 100000) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per task: each `metric,filter` aggregated as lm-eval aggregates it (the task's aggregation, or
-    the metric's registered default) with lm-eval's stderr (`metric_stderr,filter`)."""
-    from lm_eval.api.metrics import stderr_for_metric
+    the metric's registered default) with lm-eval's stderr (`metric_stderr,filter`; its bootstrap run in
+    this process, evalrun/tasks/lm_eval_stderr.py)."""
     from lm_eval.api.registry import get_metric_aggregation
+
+    from .lm_eval_stderr import stderr_for_metric
     per_task = []
     for name in names:
         mine = [r for r in rows if r.get("task_name") == name and not r.get("skipped")]
