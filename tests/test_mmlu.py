@@ -235,6 +235,25 @@ def test_sigterm_flushes_buffered_rows(tiny_model_dir, tmp_path):
     assert 0 < len(rows) < 5 * 200 and not rows[["subject", "doc_id"]].duplicated().any()
 
 
+def test_main_in_a_callers_process_gives_back_its_sigterm_handler(tiny_model_dir, tmp_path):
+    """main() installs its SIGTERM handler for the run only: a caller's process (and what it forks later,
+    multiprocessing's workers among them) has its own handler again afterwards, after a run and after bad
+    input alike."""
+    def callers(signum, frame):  # noqa: ANN001 - signal's signature
+        pass
+    before = signal.signal(signal.SIGTERM, callers)
+    try:
+        data_dir = _longer_fixture(tmp_path / "data", copies=1)
+        assert _cli("--model", str(tiny_model_dir), "--data-dir", str(data_dir), "--limit", "1",
+                    "--output-dir", str(tmp_path / "run")) == 0
+        assert signal.getsignal(signal.SIGTERM) is callers
+        assert _cli("--model", str(tmp_path / "missing"), "--data-dir", str(data_dir),
+                    "--output-dir", str(tmp_path / "bad")) == 2
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.slow
 def test_smollm2_predictions_match_transformers(smollm2_dir, data):
     from transformers import AutoModelForCausalLM

@@ -30,11 +30,20 @@ EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1            # the run stopped on a fault found while running (errors.RunFailed)
 
 
-def _exit_on_sigterm() -> None:
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
     """SIGTERM (a scheduler's stop, `timeout`, `kill`) unwinds like Ctrl-C: the run's context
-    managers flush buffered rows and end the sandbox processes before the process exits."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_exit)
+    managers flush buffered rows and end the sandbox processes before the process exits. The
+    caller's handler is back when main() returns (main() may run inside a caller's process, whose
+    later forks, multiprocessing's workers among them, must not inherit ours)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 _signalled: list[int] = []          # the SIGTERM seen, if any (Ray may turn our SystemExit into its own)
@@ -66,8 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    _exit_on_sigterm()
-    with _one_line_warnings(args.command):
+    with _exit_on_sigterm(), _one_line_warnings(args.command):
         try:
             return _run(parser, args, list(argv) if argv is not None else sys.argv[1:])
         except SystemExit:
