@@ -34,34 +34,6 @@ metadata:
 ARC_MI_YAML = ARC_YAML.replace("task: arc_tiny", "tag:\n  - tiny_loglik\ntask: arc_mi_tiny").replace(
     "metadata:", "  - metric: acc_mutual_info\n    aggregation: mean\n    higher_is_better: true\nmetadata:")
 
-# lm_eval/tasks/winogrande/default.yaml over local data; its !function module is lm-eval's own file,
-# copied beside it when the fixture is written (lm_eval_fixtures.lm_eval_task_file)
-WINOGRANDE_YAML = """\
-tag:
-  - tiny_loglik
-task: winogrande_tiny
-dataset_path: json
-dataset_name: null
-dataset_kwargs:
-  data_files:
-    train: $train
-    validation: $validation
-output_type: multiple_choice
-training_split: train
-validation_split: validation
-doc_to_text: !function preprocess_winogrande.doc_to_text
-doc_to_target: !function preprocess_winogrande.doc_to_target
-doc_to_choice: !function preprocess_winogrande.doc_to_choice
-should_decontaminate: true
-doc_to_decontamination_query: sentence
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
-
 # lm_eval/tasks/lambada/lambada_openai.yaml over local data
 LAMBADA_YAML = """\
 tag:

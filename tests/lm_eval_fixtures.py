@@ -36,7 +36,7 @@ from string import Template
 from typing import Any, Iterator, Optional
 
 from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, LAMBADA_TEST, WIKITEXT_TEST, WINOGRANDE_TRAIN, WINOGRANDE_VALIDATION  # noqa: E402
-from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, WINOGRANDE_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
+from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,8 @@ def write_fixture_tasks(root: Path, mmlu_dir: Optional[Path] = None) -> Path:
         "wikitext_tiny": (WIKITEXT_YAML, ("preprocess_wikitext.py", WIKITEXT_UTILS)),
         "arc_mi_tiny": (ARC_MI_YAML, None),
         "lambada_tiny": (LAMBADA_YAML, None),
-        "winogrande_tiny": (WINOGRANDE_YAML, ("preprocess_winogrande.py", lm_eval_task_file("winogrande/preprocess_winogrande.py"))),
+        "winogrande_tiny": (winogrande_yaml(), ("preprocess_winogrande.py",
+                                                lm_eval_task_file("winogrande/preprocess_winogrande.py"))),
     }.items():
         data = data_files["arc_tiny" if task == "arc_mi_tiny" else task]
         paths = {split: json.dumps(str(path)) for split, path in data.items()}
@@ -194,6 +195,18 @@ def lm_eval_task_file(relative: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"lm-eval's task file is missing: {path}")
     return path.read_text(encoding="utf-8")
+
+
+def winogrande_yaml() -> str:
+    """lm-eval's packaged winogrande/default.yaml as the task winogrande_tiny (tag tiny_loglik) over the
+    local json files $train and $validation (a string.Template)."""
+    text = lm_eval_task_file("winogrande/default.yaml")
+    hub = "dataset_path: allenai/winogrande\ndataset_name: winogrande_xl\n"
+    if not text.startswith("task: winogrande\n") or hub not in text:
+        raise ValueError("lm-eval's winogrande/default.yaml is not the 0.4.13 file these fixtures rewrite")
+    local = ("dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n    train: $train\n"
+             "    validation: $validation\n")
+    return "tag:\n  - tiny_loglik\ntask: winogrande_tiny\n" + text[len("task: winogrande\n"):].replace(hub, local)
 
 
 def lm_eval_mmlu_template() -> Path:
