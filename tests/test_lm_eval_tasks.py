@@ -192,3 +192,18 @@ def test_bootstrap_iters_reach_the_stderrs(tiny_model_dir, include_path, tmp_pat
     else:
         default = run_lm_eval_reference(tiny_model_dir, ["lambada_tiny"], include_path)["results"]["lambada_tiny"]
         assert mine["perplexity_stderr,none"] != default["perplexity_stderr,none"]
+
+
+def test_merged_shards_summarize_as_the_whole_run(tiny_model_dir, include_path, tmp_path):
+    """`evalrun merge` of `--shard k/2` runs writes the whole run's summary: the group's lm-eval aggregate
+    and the stderrs at the run's --bootstrap-iters (lambada's perplexity is bootstrapped)."""
+    common = ["--num-fewshot", "2", "--bootstrap-iters", "1000"]
+    _ours(tiny_model_dir, "tiny_suite,lambada_tiny", include_path, tmp_path / "whole", *common)
+    for k in (0, 1):
+        _ours(tiny_model_dir, "tiny_suite,lambada_tiny", include_path, tmp_path / f"s{k}", *common, "--shard", f"{k}/2")
+    assert main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--output-dir", str(tmp_path / "m")]) == 0
+    whole, merged = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "m"))
+    assert set(whole["groups"]) == {"tiny_suite"} and set(whole["tasks"]) == {"arc_tiny", "hellaswag_tiny", "lambada_tiny"}
+    assert merged["groups"] == whole["groups"] and merged["tasks"] == whole["tasks"]
+    shard = json.loads((tmp_path / "s0" / "summary.json").read_text())
+    assert shard["tasks"]["lambada_tiny"] != whole["tasks"]["lambada_tiny"]      # a shard's own is not the whole's

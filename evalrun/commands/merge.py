@@ -244,9 +244,12 @@ def write_merged(out: Path, shards: Sequence[ShardRun], argv: Sequence[str],
                 store.add(row)
             store.flush()
         rows = store.merge_samples().to_dict("records")
-        summarize = task_spec(first["task"]).summarize
-        assert summarize is not None                     # load_shard checked it
-        per, overall = summarize(rows, first["shard"]["selection"]["groups"])
+        spec = task_spec(first["task"])
+        assert spec.summarize is not None                # load_shard checked it
+        if spec.summarize_merged is not None:
+            per, overall = spec.summarize_merged(rows, first)
+        else:
+            per, overall = spec.summarize(rows, first["shard"]["selection"]["groups"])
         write_summary(out, clean(per), clean(overall))
         store.mark_finalized()                           # NOTE: after the summary (see RunStore)
         store.record_session(end_time=utc_now())

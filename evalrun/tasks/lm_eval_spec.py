@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .base import TaskSettingError
+from .base import TaskDataError, TaskSettingError
 from .chat import CHAT_CLI_ARGS, ChatOptions, with_chat_options
-from .lm_eval_task import LmEvalTask, load_suite, summarize_rows
+from .lm_eval_task import LmEvalTask, load_suite, summarize_rows, summarize_suite
 from .spec import CliArg, RunReport, TaskSpec
 
 KEY_COLUMNS = ("task_name", "doc_id")
@@ -89,6 +90,24 @@ def _summarize(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[
     return summarize_rows(rows, groups)          # prefix groups are the tasks, in order
 
 
+def _summarize_merged(rows: list[dict[str, Any]], manifest: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A merged run's summary as its unsharded run writes it: the task definitions are loaded again
+    (their aggregations and groups; lm-eval loads their data too) from the names, --include-path and
+    --bootstrap-iters the manifest records. Where they cannot be loaded, each metric's registered
+    aggregation and no groups, with a warning."""
+    info = manifest.get("lm_eval") or {}
+    iters = int(info.get("bootstrap_iters", 100000))
+    try:
+        tasks, groups = load_suite(list(info["tasks"]), info.get("include_path"), None)
+    except (KeyError, TypeError, TaskSettingError, TaskDataError) as exc:
+        names = (manifest.get("shard") or {}).get("selection", {}).get("groups") or \
+            sorted({str(r.get("task_name")) for r in rows})
+        warnings.warn(f"the summary uses each metric's registered aggregation and no group aggregates: the task "
+                      f"definitions could not be loaded again ({exc})")
+        return summarize_rows(rows, names, None, iters)
+    return summarize_suite(rows, tasks, groups, iters)
+
+
 def print_summary(options: LmEvalOptions, r: RunReport) -> None:
     print(f"\n{'task':<28} {'metric':<28} {'value':>10} {'stderr':>10}  n")
     for t in r.per_group:
@@ -147,4 +166,5 @@ SPEC = TaskSpec(
                 "--include-path) with lm-eval's prompts, filters and metrics, on evalrun's engine; rows land in "
                 "OUTPUT_DIR as each document finishes, and a rerun resumes.",
     cli_args=CLI_ARGS + CHAT_CLI_ARGS, options=with_chat_options(LmEvalOptions), build=_build, identity=_identity, manifest_extra=_manifest_extra,
-    unit="documents", summarize=_summarize, report=print_summary, show_row=show_row)
+    unit="documents", summarize=_summarize, summarize_merged=_summarize_merged, report=print_summary,
+    show_row=show_row)

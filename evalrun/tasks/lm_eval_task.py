@@ -34,6 +34,7 @@ from .chat import ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
 from .lm_eval_index import task_manager
 from .lm_eval_requests import (Ask, Encoder, check_gen_kwargs, cut_at_stops, generation_request, loglikelihood,
                                score_request)
+from .lm_eval_stderr import stderr_for_metric
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
 UNSUPPORTED = {                # config fields this runner refuses (the line names the field)
@@ -264,12 +265,19 @@ class LmEvalTask:
         return [cut_at_stops(by_part[a.request].text, inst.args[1], eos, think) for a in asks]
 
     def summarize(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        per_task, overall = summarize_rows(rows, list(self.tasks), {n: t.aggregation() for n, t in self.tasks.items()},
-                                           self.bootstrap_iters)
-        metrics = {t["task_name"]: {**t, "sample_len": t["n"]} for t in per_task}
-        overall["groups"] = {name: {k: v for k, v in group.aggregate(metrics).items() if k not in ("alias", "name")}
-                             for name, group in self.groups.items() if group.has_aggregation}
-        return per_task, overall
+        return summarize_suite(rows, self.tasks, self.groups, self.bootstrap_iters)
+
+
+def summarize_suite(rows: list[dict[str, Any]], tasks: dict[str, Any], groups: dict[str, Any],
+                    bootstrap_iters: int = 100000) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """summarize_rows with each task's own aggregations, and lm-eval's aggregate of each group that has
+    an aggregate_metric_list (under `groups`)."""
+    per_task, overall = summarize_rows(rows, list(tasks), {n: t.aggregation() for n, t in tasks.items()},
+                                       bootstrap_iters)
+    metrics = {t["task_name"]: {**t, "sample_len": t["n"]} for t in per_task}
+    overall["groups"] = {name: {k: v for k, v in group.aggregate(metrics).items() if k not in ("alias", "name")}
+                         for name, group in groups.items() if group.has_aggregation}
+    return per_task, overall
 
 
 def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregations: Optional[dict] = None,
@@ -278,8 +286,6 @@ def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregation
     the metric's registered default) with lm-eval's stderr (`metric_stderr,filter`; its bootstrap run in
     this process, evalrun/tasks/lm_eval_stderr.py)."""
     from lm_eval.api.registry import get_metric_aggregation
-
-    from .lm_eval_stderr import stderr_for_metric
     per_task = []
     for name in names:
         mine = [r for r in rows if r.get("task_name") == name and not r.get("skipped")]

@@ -125,6 +125,8 @@ class TaskSpec:
     model_free: Callable[[Any], Optional[str]] = _never_model_free   # the flag that asks to score without a model
     # -- its rows --------------------------------------------------------------------------------
     summarize: Optional[Callable[[list[dict[str, Any]], Sequence[str]], Summary]] = None   # rows, groups
+    # a merged run's summary where the rows alone do not make it (rows, the run's manifest; default: summarize)
+    summarize_merged: Optional[Callable[[list[dict[str, Any]], dict[str, Any]], Summary]] = None
     report: Optional[Callable[[Any, RunReport], None]] = None     # (options, report): the printed summary
     show_row: Optional[Callable[[dict[str, Any]], str]] = None    # one row for `evalrun show`
 
