@@ -287,6 +287,29 @@ def run_lm_eval_reference(
     return json.loads(json.dumps(kept, default=handle_non_serializable))
 
 
+def run_evalrun_backend(model_dir: Path, tasks: list[str], include_path: Path, num_fewshot: Optional[int] = None,
+                        limit: Optional[int] = None, model_args: str = "", **chat: Any) -> dict:
+    """lm-eval's simple_evaluate with model="evalrun" (float32), its results and samples JSON round-tripped
+    as run_lm_eval_reference returns them; the arguments as run_lm_eval_reference's."""
+    import evalrun.lm_eval_backend  # noqa: F401 - registers "evalrun"
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable
+    with _kept_random_state():
+        out = simple_evaluate(model="evalrun", model_args=f"pretrained={model_dir},dtype=float32" +
+                              (f",{model_args}" if model_args else ""), tasks=list(tasks), num_fewshot=num_fewshot,
+                              limit=limit, log_samples=True,
+                              task_manager=TaskManager(include_path=str(include_path), include_defaults=False), **chat)
+    return json.loads(json.dumps({k: out[k] for k in ("results", "samples")}, default=handle_non_serializable))
+
+
+# A Qwen3-style chat template: it takes enable_thinking and mentions </think>
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n"
+             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+             "{% endif %}")
+
+
 @contextlib.contextmanager
 def _environ(**values: str) -> Iterator[None]:
     old = {name: os.environ.get(name) for name in values}

@@ -14,7 +14,7 @@ pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu
 from evalrun.commands.cli import main  # noqa: E402
 from evalrun.results import read_prompts, read_samples  # noqa: E402
 from evalrun.tasks.chat import ChatOptions, Turn, chat_messages, maybe_delimit, qa_turns  # noqa: E402
-from lm_eval_fixtures import close as _close, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+from lm_eval_fixtures import QWEN_LIKE, close as _close, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
 
 MMLU_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mmlu"
 CHAT = {"apply_chat_template": True, "fewshot_as_multiturn": True}
@@ -202,12 +202,6 @@ def test_show_prints_a_chat_prompt_as_roles(tiny_model_dir, tmp_path, capsys):
     assert roles == ["[system]", "[user]", "[assistant]", "[user]", "[assistant]", "[user]",
                      "[assistant] <- the model answers here"]
     assert "The following are multiple choice questions (with answers) about anatomy." in text
-
-
-QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|im_start|>assistant\n"
-             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-             "{% endif %}")
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu
 import evalrun.lm_eval_backend  # noqa: E402,F401 - registers "evalrun"
 from evalrun.errors import BadInput  # noqa: E402
 from evalrun.lm_eval_backend import main, request_seed  # noqa: E402
-from lm_eval_fixtures import _kept_random_state, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+from lm_eval_fixtures import _kept_random_state, run_evalrun_backend, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
 from lm_eval_fixtures import REFERENCE_CASES, aggregate_close, close as _close  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,26 +59,12 @@ def reference(tiny_model_dir, include_path):
     return get
 
 
-def _ours(model_dir: Path, tasks: list[str], include_path: Path, shots: int) -> dict:
-    """lm-eval's simple_evaluate with model="evalrun", its results and samples JSON round-tripped as
-    run_lm_eval_reference returns them."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
-    with _kept_random_state():
-        out = simple_evaluate(model="evalrun", model_args=f"pretrained={model_dir},dtype=float32", tasks=tasks,
-                              num_fewshot=shots, log_samples=True,
-                              task_manager=TaskManager(include_path=str(include_path), include_defaults=False))
-    return json.loads(json.dumps({k: out[k] for k in ("results", "samples")}, default=handle_non_serializable))
-
-
-
 @pytest.mark.parametrize("task,shots", REFERENCE_CASES)
 def test_simple_evaluate_equals_lm_eval_hf(tiny_model_dir, include_path, reference, task, shots):
     if task.startswith("mmlu") and not MMLU_DIR.is_dir():
         pytest.skip(f"no MMLU data at {MMLU_DIR}")
     ref = reference(task, shots)
-    ours = _ours(tiny_model_dir, [task], include_path, shots)
+    ours = run_evalrun_backend(tiny_model_dir, [task], include_path, shots)
     mine = {(s["doc_id"], s["filter"]): s for s in ours["samples"][task]}
     assert len(mine) == len(ref["samples"][task])
     for s in ref["samples"][task]:

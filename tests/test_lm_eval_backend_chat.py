@@ -20,16 +20,12 @@ pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu
 import evalrun.lm_eval_backend  # noqa: E402,F401 - registers "evalrun"
 from evalrun.engine.chat_template import ChatTemplateError  # noqa: E402
 from evalrun.errors import BadInput  # noqa: E402
-from lm_eval_fixtures import _kept_random_state, close as _close, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
+from lm_eval_fixtures import QWEN_LIKE, close as _close, run_evalrun_backend, run_lm_eval_reference, write_fixture_tasks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {"apply_chat_template": True, "fewshot_as_multiturn": True}
 SINGLE_TURN = {"apply_chat_template": True, "fewshot_as_multiturn": False}
 SYSTEM = {**CHAT, "system_instruction": "Answer with the letter only."}
-QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|im_start|>assistant\n"
-             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-             "{% endif %}")
 MARK = "NAMED|"
 
 
@@ -52,16 +48,7 @@ def templated_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 def _ours(model_dir: Path, task: str, include_path: Path, shots: int, model_args: str = "",
           limit: Any = None, **chat: Any) -> dict:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
-    with _kept_random_state():
-        out = simple_evaluate(model="evalrun", model_args=f"pretrained={model_dir},dtype=float32" +
-                              (f",{model_args}" if model_args else ""), tasks=[task], num_fewshot=shots,
-                              limit=limit, log_samples=True,
-                              task_manager=TaskManager(include_path=str(include_path), include_defaults=False),
-                              **chat)
-    return json.loads(json.dumps({k: out[k] for k in ("results", "samples")}, default=handle_non_serializable))
+    return run_evalrun_backend(model_dir, [task], include_path, shots, limit, model_args, **chat)
 
 
 def _assert_same_samples(ours: list[dict], ref: list[dict], task: str) -> None:
