@@ -12,6 +12,7 @@ tasks.sandbox modules only, nothing at import time.
 from __future__ import annotations
 
 import builtins
+import importlib
 import json
 import os
 import signal
@@ -23,6 +24,8 @@ from evalrun.tasks.sandbox.codec import (MESSAGE_CHARS, READY, CodecError, decod
 
 # NOTE: re-raising these from a call could end a loop early (map() stops on StopIteration).
 _NOT_REBUILT = (StopIteration, StopAsyncIteration)
+# Standard-library modules the checker never imports for a program's name (they act on import).
+_NOT_IMPORTED = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser"})
 
 
 class WorkerFault(BaseException):
@@ -65,20 +68,31 @@ class WorkerLink:
             raise self._fail("bad reply from the worker")
         return reply
 
-    def handshake(self) -> None:
-        """Wait until the program is loaded; raises WorkerFault if it could not be."""
+    def handshake(self) -> object:
+        """Wait until the program is loaded (its "ready" reply: True, or what it bound to the names
+        asked); raises WorkerFault if it could not be."""
         reply = self._receive()
-        if reply.get("ready") is True:
-            return
+        ready = reply.get("ready")
+        if ready is True or type(ready) is dict:
+            return ready
         error = reply.get("load_error")
         raise self._fail(error if type(error) is str else "bad reply from the worker")
 
     def __call__(self, *args: object, **kwargs: object) -> object:
+        return self.call(None, args, kwargs)
+
+    def named(self, name: str) -> "NamedCall":
+        return NamedCall(self, name)
+
+    def call(self, name: str | None, args: tuple, kwargs: dict) -> object:
+        """Call the entry point (name None) or the program's callable `name` in the worker."""
         if self.fault is not None:
             raise WorkerFault(self.fault["error"])
         try:
             request = {"args": [encode_value(a) for a in args],
                        "kwargs": [[k, encode_value(v)] for k, v in kwargs.items()]}
+            if name is not None:
+                request["name"] = name
             write_frame(self.fd_requests, request)
         except CodecError as exc:
             raise self._fail(f"cannot send the arguments: {exc}") from None
@@ -98,6 +112,42 @@ class WorkerLink:
         raise self._fail(unsupported if type(unsupported) is str else "bad reply from the worker")
 
 
+class NamedCall:
+    """Another callable of the program, as seen by the check (one of the spec's names)."""
+
+    def __init__(self, link: WorkerLink, name: str) -> None:
+        self._link, self._name = link, name
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self._link.call(self._name, args, kwargs)
+
+
+def bind_names(namespace: dict, ready: object, names: list, link: WorkerLink) -> None:
+    """Bind the asked names the program bound (its untrusted report, checked against the names asked)."""
+    if type(ready) is not dict:
+        return
+    asked = {n for n in names if type(n) is str}
+    callables = ready.get("callables")
+    for name in callables if type(callables) is list else ():
+        if type(name) is str and name in asked:
+            namespace[name] = link.named(name)
+    modules = ready.get("modules")
+    for name, module in (modules.items() if type(modules) is dict else ()):
+        top = module.partition(".")[0] if type(module) is str else ""
+        if name in asked and top in sys.stdlib_module_names and top not in _NOT_IMPORTED:
+            try:
+                namespace[name] = importlib.import_module(module)
+            except ImportError:
+                pass
+    values = ready.get("values")
+    for name, value in (values.items() if type(values) is dict else ()):
+        if name in asked:
+            try:
+                namespace[name] = decode_value(value)
+            except CodecError:
+                pass
+
+
 def run_check(message: dict, link: WorkerLink) -> dict:
     """Exec the check source, wait for the program, call check(proxy); return the verdict."""
     namespace: dict[str, object] = {"__name__": "__checker__"}
@@ -107,7 +157,8 @@ def run_check(message: dict, link: WorkerLink) -> dict:
     except BaseException as exc:
         return {"status": "error", "error": f"check source failed: {error_line(exc)}"}
     try:
-        link.handshake()
+        ready = link.handshake()
+        bind_names(namespace, ready, list(message.get("names") or ()), link)
         namespace[message["entry_point"]] = link   # NOTE: after exec: the prompt defines a stub
         check(link)
     except BaseException as exc:
@@ -117,7 +168,7 @@ def run_check(message: dict, link: WorkerLink) -> dict:
 
 def main() -> None:
     """Entry point of the checker child: argv[1] = {"fd_requests", "fd_replies",
-    "fd_verdict", "parent_pid"}; stdin = {"nonce", "check_source", "entry_point"}."""
+    "fd_verdict", "parent_pid"}; stdin = {"nonce", "check_source", "entry_point", "names"}."""
     confine.prctl(confine.PR_SET_DUMPABLE, 0)
     confine.prctl(confine.PR_SET_PDEATHSIG, signal.SIGKILL)
     cfg = json.loads(sys.argv[1])

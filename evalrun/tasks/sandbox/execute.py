@@ -170,7 +170,7 @@ class CheckRun:
                 self._adopting = adopting       # only a started thread is joined by _stop
             except RuntimeError:                # no thread to be had: the launcher joins by itself
                 pass
-        job = {"program": self.spec.program, "entry_point": self.spec.entry_point}
+        job = {"program": self.spec.program, "entry_point": self.spec.entry_point, "names": list(self.spec.names)}
         self._pending[self._worker.stdin.fileno()] = (self._worker, memoryview(json.dumps(job).encode()))
 
     def _spawn_checker(self, fds: tuple[int, int, int]) -> None:
@@ -180,7 +180,8 @@ class CheckRun:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=fds,
             env=worker_env("/"), cwd="/", start_new_session=True)
         self._fds["checker_pidfd"] = os.pidfd_open(self._checker.pid)
-        message = {"nonce": self.nonce, "check_source": self.spec.check_source, "entry_point": self.spec.entry_point}
+        message = {"nonce": self.nonce, "check_source": self.spec.check_source, "entry_point": self.spec.entry_point,
+                   "names": list(self.spec.names)}
         self._pending[self._checker.stdin.fileno()] = (self._checker, memoryview(json.dumps(message).encode()))
 
     def _watch(self, deadline: float) -> None:

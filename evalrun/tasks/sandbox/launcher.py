@@ -11,7 +11,7 @@
 The launcher never runs untrusted code, so its own state (PID 1, subreaper, lifeline) holds; it is
 non-dumpable, and where the worker has its uid and no PID namespace protects it (the basic level
 without root) the worker's filter refuses every way to signal it (seccomp.launcher_rules).
-Config arrives as JSON in argv[1]; at mode "run" the job ({"program", "entry_point"}) on stdin.
+Config arrives as JSON in argv[1]; at mode "run" the job ({"program", "entry_point", "names"}) on stdin.
 In mode "probe" the worker prints what the confinement achieved instead of running a job.
 NOTE: runs as text inside the sandbox child (see sources.py): standard library and
 tasks.sandbox modules only, nothing at import time.
@@ -257,7 +257,7 @@ def run_worker(cfg: dict, job: dict, report: dict, launcher: int) -> None:
     if cfg["mode"] == "probe":
         print(json.dumps(probe_report(cfg, report)), flush=True)
         os._exit(0)
-    worker_main(job["program"], job["entry_point"], cfg["fd_requests"], cfg["fd_replies"])
+    worker_main(job["program"], job["entry_point"], cfg["fd_requests"], cfg["fd_replies"], job.get("names") or [])
 
 
 def fail(cfg: dict, message: str) -> None:

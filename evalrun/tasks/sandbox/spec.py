@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Sequence
 
 STATUSES = ("passed", "failed", "timeout", "error", "killed")
 
@@ -11,10 +11,15 @@ STATUSES = ("passed", "failed", "timeout", "error", "killed")
 @dataclass(frozen=True)
 class CheckSpec:
     """One check: `program` (untrusted) defines `entry_point`; `check_source` (trusted)
-    defines `check(candidate)`, which is called with a proxy to that function."""
+    defines `check(candidate)`, which is called with a proxy to that function. `names`: more of
+    the program's global names the check may use; before `check` is called, each one the program
+    bound is bound in the check source's globals too: a callable as a proxy that calls it in the
+    worker, a standard-library module as that module (imported by the checker), a value the codec
+    carries as its copy (anything else stays unbound)."""
     program: str
     check_source: str
     entry_point: str
+    names: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         for name in ("program", "check_source", "entry_point"):
@@ -22,6 +27,12 @@ class CheckSpec:
                 raise TypeError(f"CheckSpec.{name} must be a str, got {type(getattr(self, name)).__name__}")
         if not self.entry_point.isidentifier():
             raise ValueError(f"CheckSpec.entry_point must be an identifier, got {self.entry_point!r}")
+        if isinstance(self.names, (str, bytes)):
+            raise TypeError("CheckSpec.names must be a sequence of names, not one string")
+        object.__setattr__(self, "names", tuple(self.names))
+        for name in self.names:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"CheckSpec.names must hold identifiers, got {name!r}")
 
 
 @dataclass(frozen=True)
