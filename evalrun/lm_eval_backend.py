@@ -34,6 +34,7 @@ from evalrun.lm_eval_backend_engine import BackendSettings, Engine
 from evalrun.tasks.chat import DEFAULT_TEMPLATE, ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
 from evalrun.results.text import terminal_safe
 from evalrun.tasks.base import Answer
+from evalrun.tasks.lm_eval_code import code_eval_in_sandbox
 from evalrun.tasks.lm_eval_index import lm_eval_uses_the_cache
 from evalrun.tasks.lm_eval_requests import cut_at_stops, generation_request, loglikelihood, score_request
 
@@ -174,10 +175,11 @@ def think_end_of(tokenizer: Any, chat: ChatOptions, settings: BackendSettings) -
 def main() -> int:
     """lm-eval's own CLI (lm_eval.__main__.cli_evaluate, argv as lm-eval reads it) with "evalrun"
     registered, its packaged tasks' index read from evalrun's cache (evalrun/tasks/lm_eval_index.py);
-    an input error is one line and exit code 2."""
+    an input error is one line and exit code 2. HF evaluate's code_eval (lm-eval's code tasks, run with
+    its --confirm_run_unsafe_code) runs in evalrun's sandbox (evalrun/tasks/lm_eval_code.py)."""
     from lm_eval.__main__ import cli_evaluate
     try:
-        with lm_eval_uses_the_cache():
+        with lm_eval_uses_the_cache(), code_eval_in_sandbox():
             cli_evaluate()
     except (BadInput, RunFailed) as exc:
         print(f"error: {terminal_safe(str(exc), True)}", file=sys.stderr)

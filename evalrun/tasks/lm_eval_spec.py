@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 from .base import TaskDataError, TaskSettingError
 from .chat import CHAT_CLI_ARGS, ChatOptions, with_chat_options
+from .lm_eval_code import shared_code_eval
 from .lm_eval_task import LmEvalTask, load_suite, summarize_rows, summarize_suite
 from .spec import CliArg, RunReport, TaskSpec
 
@@ -23,6 +24,7 @@ class LmEvalOptions:
     limit: Optional[float] = None
     bootstrap_iters: int = 100000
     gen_kwargs: Optional[Sequence[str]] = None   # lm-eval's --gen_kwargs words, as given
+    confirm_run_unsafe_code: bool = False        # lm-eval's flag: tasks marked unsafe_code may run
     chat: ChatOptions = ChatOptions()
 
     def __post_init__(self) -> None:
@@ -69,7 +71,7 @@ def parse_gen_kwargs(words: Sequence[str]) -> dict[str, Any]:
 
 def _build(options: LmEvalOptions, seed: int) -> LmEvalTask:
     tasks, groups = load_suite(options.names, options.include_path, options.num_fewshot,
-                               options.generation_overrides or None)
+                               options.generation_overrides or None, unsafe_code=options.confirm_run_unsafe_code)
     return LmEvalTask(tasks, options.limit, groups=groups, chat=options.chat, bootstrap_iters=options.bootstrap_iters)
 
 
@@ -81,9 +83,14 @@ def _identity(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
 
 def _manifest_extra(options: LmEvalOptions, task: LmEvalTask) -> dict[str, Any]:
     import lm_eval
-    return {"lm_eval": {"version": getattr(lm_eval, "__version__", "?"), "tasks": options.names,
-                        "include_path": options.include_path, "bootstrap_iters": options.bootstrap_iters,
-                        "gen_kwargs": options.generation_overrides}}
+    extra = {"lm_eval": {"version": getattr(lm_eval, "__version__", "?"), "tasks": options.names,
+                         "include_path": options.include_path, "bootstrap_iters": options.bootstrap_iters,
+                         "gen_kwargs": options.generation_overrides}}
+    unsafe = sorted(n for n, t in task.tasks.items() if getattr(t, "UNSAFE_CODE", False))
+    if unsafe:                  # what isolates their code_eval checks on this machine (docs/sandbox.md)
+        extra["lm_eval"]["unsafe_code_tasks"] = unsafe
+        extra["sandbox"] = shared_code_eval().isolation_info()
+    return extra
 
 
 def _summarize(rows: list[dict[str, Any]], groups: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -98,7 +105,7 @@ def _summarize_merged(rows: list[dict[str, Any]], manifest: dict[str, Any]) -> t
     info = manifest.get("lm_eval") or {}
     iters = int(info.get("bootstrap_iters", 100000))
     try:
-        tasks, groups = load_suite(list(info["tasks"]), info.get("include_path"), None)
+        tasks, groups = load_suite(list(info["tasks"]), info.get("include_path"), None, unsafe_code=True)
     except (KeyError, TypeError, TaskSettingError, TaskDataError) as exc:
         names = (manifest.get("shard") or {}).get("selection", {}).get("groups") or \
             sorted({str(r.get("task_name")) for r in rows})
@@ -156,6 +163,9 @@ CLI_ARGS = (
            "generation_kwargs, as lm-eval's --gen_kwargs: KEY=VALUE words or one JSON object, e.g. max_gen_toks=1024 "
            "or temperature=0.6 do_sample=True top_p=0.95 (default: the tasks' own)", dest="gen_kwargs", nargs="+",
            metavar="KEY=VALUE"),
+    CliArg(("--confirm-run-unsafe-code", "--confirm_run_unsafe_code"), "run tasks marked unsafe_code, which execute "
+           "the code the model generates (lm-eval's humaneval, mbpp, ...); their code_eval checks run in evalrun's "
+           "sandbox (default: off: such tasks are refused)", dest="confirm_run_unsafe_code", switch=True),
 )
 
 SPEC = TaskSpec(

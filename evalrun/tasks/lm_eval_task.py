@@ -31,6 +31,7 @@ from typing import Any, Collection, Iterator, Optional, Sequence
 
 from .base import Answer, DocPlan, PrefixGroup, Request, TaskDataError, TaskSettingError, estimate_tokens, prompt_hash
 from .chat import ChatOptions, ChatRenderer, ThinkEnd, resolve_think_end
+from .lm_eval_code import code_eval_in_sandbox
 from .lm_eval_index import task_manager
 from .lm_eval_requests import (Ask, Encoder, check_gen_kwargs, cut_at_stops, generation_request, loglikelihood,
                                score_request)
@@ -60,10 +61,13 @@ def load_tasks(names: Sequence[str], include_path: Optional[str], num_fewshot: O
 
 
 def load_suite(names: Sequence[str], include_path: Optional[str], num_fewshot: Optional[int],
-               gen_kwargs: Optional[dict] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+               gen_kwargs: Optional[dict] = None, unsafe_code: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """({task name: lm-eval task object}, {group name: lm-eval Group}) for the names (groups and tags
     expanded), configured as lm-eval's simple_evaluate configures them (`gen_kwargs`, its --gen_kwargs:
-    laid over each generate_until task's generation_kwargs); TaskSettingError/TaskDataError in one line."""
+    laid over each generate_until task's generation_kwargs); TaskSettingError/TaskDataError in one line.
+    A task marked `unsafe_code` (it runs generated code) is refused unless `unsafe_code` (lm-eval's
+    --confirm_run_unsafe_code); HF evaluate's code_eval, which such tasks load, runs in evalrun's
+    sandbox (evalrun/tasks/lm_eval_code.py)."""
     _lm_eval()
     if not names:
         raise TaskSettingError("--tasks names no task")
@@ -78,7 +82,8 @@ def load_suite(names: Sequence[str], include_path: Optional[str], num_fewshot: O
     groups: dict[str, Any] = {}
     for name in names:                  # one at a time: an error names its task
         try:
-            loaded = manager.load([name])
+            with code_eval_in_sandbox():
+                loaded = manager.load([name])
             tasks.update(loaded["tasks"])
             groups.update(loaded.get("groups") or {})
         except FileNotFoundError as exc:
@@ -90,6 +95,10 @@ def load_suite(names: Sequence[str], include_path: Optional[str], num_fewshot: O
         if gen_kwargs and task.get_config("output_type") == "generate_until":
             task.set_config(key="generation_kwargs", value=dict(gen_kwargs), update=True)
         _check_supported(name, task)
+        if getattr(task, "UNSAFE_CODE", False) and not unsafe_code:
+            raise TaskSettingError(f"task {name} runs the code the model generates (unsafe_code: true); pass "
+                                   f"--confirm-run-unsafe-code to run it (its code_eval checks run in evalrun's "
+                                   f"sandbox)")
         if num_fewshot is not None and task.get_config("num_fewshot") != 0:
             task.set_config(key="num_fewshot", value=num_fewshot)
         elif task.get_config("num_fewshot") is None:
@@ -285,6 +294,7 @@ def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregation
     """Per task: each `metric,filter` aggregated as lm-eval aggregates it (the task's aggregation, or
     the metric's registered default) with lm-eval's stderr (`metric_stderr,filter`; its bootstrap run in
     this process, evalrun/tasks/lm_eval_stderr.py)."""
+    from lm_eval.api.metrics import mean
     from lm_eval.api.registry import get_metric_aggregation
     per_task = []
     for name in names:
@@ -293,10 +303,11 @@ def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregation
         for r in mine:
             for key, v in json.loads(r["metrics"]).items():
                 values.setdefault(key, []).append(tuple(v) if isinstance(v, list) else v)
+        own = _expanded(dict((aggregations or {}).get(name, {})), {k.rsplit(",", 1)[0] for k in values})
         out: dict[str, Any] = {"task_name": name, "n": len(mine)}
         for key, items in values.items():
             metric, filter_key = key.rsplit(",", 1)
-            fn = (aggregations or {}).get(name, {}).get(metric) or get_metric_aggregation(metric)
+            fn = own.get(metric) or get_metric_aggregation(metric) or mean     # lm-eval's evaluator: else mean
             out[key] = fn(items)
             iters = min(bootstrap_iters, 100) if metric in ("bleu", "chrf", "chrf++", "ter") else bootstrap_iters
             stderr = stderr_for_metric(metric=fn, bootstrap_iters=iters) if bootstrap_iters > 0 else None
@@ -305,6 +316,18 @@ def summarize_rows(rows: list[dict[str, Any]], names: Sequence[str], aggregation
     overall = {"n": sum(t["n"] for t in per_task), "skipped": sum(bool(r.get("skipped")) for r in rows),
                "tasks": {t["task_name"]: {k: v for k, v in t.items() if k != "task_name"} for t in per_task}}
     return per_task, overall
+
+
+def _expanded(aggregations: dict, metrics: set) -> dict:
+    """The task's aggregations with those of a metric that returned a dict (HF evaluate's, e.g. code_eval's
+    pass_at_k -> pass@1) given to its keys, as lm-eval's process_results propagates them when it runs; a
+    resumed run's rows never went through it in this process. Only where the owner is unambiguous: the one
+    aggregated metric that no row carries."""
+    owners = [m for m in aggregations if m not in metrics]
+    if len(owners) == 1:
+        for m in metrics - set(aggregations):
+            aggregations[m] = aggregations[owners[0]]
+    return aggregations
 
 
 def _plain(value: Any) -> Any:
