@@ -21,8 +21,9 @@ OPTIONAL = {"ray", "triton", "flash_attn", "transformers", "gguf",
             "datasets", "huggingface_hub",
             # the HTML report only (`compare --format html`): 0.45 s of import no other command pays
             "matplotlib",
-            # `evalrun task` only (the extra evalrun[lm-eval]): lm-eval's task configurations and metrics
-            "lm_eval"}
+            # `evalrun task` only (the extra evalrun[lm-eval]): lm-eval's task configurations and metrics,
+            # and HF evaluate (lm-eval's dependency), whose code_eval evalrun serves from its sandbox
+            "lm_eval", "evaluate"}
 # Files run as scripts in another interpreter (the sandbox's child): not part of the import graph.
 SCRIPTS = {"evalrun/tasks/sandbox/sources.py"}
 # The modules whose text runs in the sandbox's bare child interpreter for every check
