@@ -27,14 +27,16 @@ Layout under root (deterministic; the YAMLs name their data files by absolute pa
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
+from evalrun.tasks.lm_eval_code import code_eval_in_sandbox
 from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, LAMBADA_TEST, WIKITEXT_TEST, WINOGRANDE_TRAIN, WINOGRANDE_VALIDATION  # noqa: E402
 from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
 
@@ -207,6 +209,55 @@ def winogrande_yaml() -> str:
     local = ("dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:\n    train: $train\n"
              "    validation: $validation\n")
     return "tag:\n  - tiny_loglik\ntask: winogrande_tiny\n" + text[len("task: winogrande\n"):].replace(hub, local)
+
+
+def write_code_tasks(root: Path, problems: Sequence[Any]) -> Path:
+    """lm-eval's code tasks (unsafe_code) over local data, in root/humaneval and root/mbpp: lm-eval's packaged
+    humaneval.yaml and utils.py as humaneval_local over the HumanEval `problems` (HumanEvalProblem records), and
+    humaneval_canonical: the same with a filter that answers each problem with its canonical solution; and
+    mbpp_reference (_mbpp_tasks)."""
+    he = root / "humaneval"
+    he.mkdir(parents=True)
+    data = he / "humaneval.jsonl"
+    data.write_text("".join(json.dumps({"task_id": p.task_id, "prompt": p.prompt, "canonical_solution":
+                                        p.canonical_solution, "test": p.test, "entry_point": p.entry_point}) + "\n"
+                            for p in problems))
+    text = lm_eval_task_file("humaneval/humaneval.yaml")
+    hub = "task: humaneval\ndataset_path: openai/openai_humaneval\n"
+    assert text.startswith(hub) and "unsafe_code: true" in text
+    local = f"task: humaneval_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+    (he / "humaneval_local.yaml").write_text(local + text[len(hub):].replace("max_gen_toks: 1024", "max_gen_toks: 8"))
+    (he / "utils.py").write_text(lm_eval_task_file("humaneval/utils.py"))
+    (he / "hooks.py").write_text("def canonical(resps, docs):\n"
+                                 "    return [[d['prompt'] + d['canonical_solution'] for _ in r] "
+                                 "for r, d in zip(resps, docs)]\n")
+    (he / "humaneval_canonical.yaml").write_text(
+        "include: humaneval_local.yaml\ntask: humaneval_canonical\nfilter_list:\n  - name: create_test\n"
+        "    filter:\n      - function: custom\n        filter_fn: !function hooks.canonical\n")
+    _mbpp_tasks(root / "mbpp")
+    return root
+
+
+def _mbpp_tasks(mbpp: Path) -> None:
+    """lm-eval's packaged mbpp.yaml and utils.py as mbpp_reference over its own three few-shot problems (real MBPP
+    solutions and asserts), with a filter that answers each with its reference solution."""
+    mbpp.mkdir()
+    (mbpp / "utils.py").write_text(lm_eval_task_file("mbpp/utils.py") + "\n\ndef reference(resps, docs):\n"
+                                   "    return [[d['code'] for _ in r] for r, d in zip(resps, docs)]\n")
+    spec = importlib.util.spec_from_file_location("mbpp_utils", mbpp / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    with code_eval_in_sandbox():                 # its import loads code_eval and checks one program
+        spec.loader.exec_module(utils)
+    data = mbpp / "mbpp.jsonl"
+    data.write_text("".join(json.dumps({k: v for k, v in d.items() if k != "is_fewshot"}) + "\n"
+                            for d in utils.list_fewshot_samples()))
+    text = lm_eval_task_file("mbpp/mbpp.yaml")
+    hub = "task: mbpp\ndataset_path: google-research-datasets/mbpp\ndataset_name: full\n"
+    assert text.startswith(hub) and "unsafe_code: true" in text and "num_fewshot: 3" in text
+    local = f"task: mbpp_reference\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+    (mbpp / "mbpp_reference.yaml").write_text(
+        local + text[len(hub):].replace("num_fewshot: 3", "num_fewshot: 1") + "filter_list:\n  - name: reference\n"
+        "    filter:\n      - function: custom\n        filter_fn: !function utils.reference\n")
 
 
 def lm_eval_mmlu_template() -> Path:

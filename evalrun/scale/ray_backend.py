@@ -95,6 +95,13 @@ def _check_resources(opts: RayOptions, resources: dict[str, float]) -> None:
                            "start; ask for fewer, or give --ray-address of a cluster that has them")
 
 
+def _modules_by_value(spec: Any) -> list[Any]:
+    """Modules the spec's task asks to travel by value in the replicas' pickle (its `modules_by_value()`)."""
+    task = getattr(spec, "task", None)
+    task = getattr(task, "task", task)             # GenerateOnly wraps the run's task
+    return list(task.modules_by_value()) if hasattr(task, "modules_by_value") else []
+
+
 @dataclass
 class _Waiting:
     slot: int
@@ -109,6 +116,8 @@ class RayBackend:
         self._ray = ray
         self._actor_class = ray.remote(Replica).options(
             num_cpus=opts.cpus_per_replica, num_gpus=opts.gpus_per_replica, max_restarts=0, max_task_retries=0)
+        for module in _modules_by_value(spec):     # e.g. lm-eval's `!function` hook files (LmEvalTask)
+            ray.cloudpickle.register_pickle_by_value(module)
         self._spec = ray.put(spec)
         self._hooks = hooks
         self._actors: dict[int, Any] = {}

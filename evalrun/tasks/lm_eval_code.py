@@ -104,6 +104,14 @@ class SandboxedCodeEval:
         self._boxes: dict[float, Sandbox] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy travels (a Ray replica scoring lm-eval's code tasks) without its sandboxes: it opens its own."""
+        return {"workers": self.workers, "isolation": self.isolation}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["workers"], state["isolation"])
+        atexit.register(self.close)
+
     def _box(self, timeout: float) -> Sandbox:
         with self._lock:
             if timeout not in self._boxes:

@@ -25,6 +25,8 @@ import hashlib
 import inspect
 import json
 import math
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Collection, Iterator, Optional, Sequence
@@ -169,6 +171,20 @@ class LmEvalTask:
 
     def doc_keys(self) -> list[tuple]:
         return [k for k in self.instances if self.only is None or k in self.only]
+
+    def modules_by_value(self) -> list[Any]:
+        """The modules of the tasks' `!function` hooks, for a pickle that travels to another process (a
+        Ray replica) to carry by value: lm-eval registers a hook file outside its package under its path
+        (not importable there), and a packaged one would import again there, loading HF evaluate's
+        code_eval outside evalrun's sandbox (evalrun/tasks/lm_eval_code.py)."""
+        found: dict[str, Any] = {}
+        for task in self.tasks.values():
+            for fn in _callables([vars(task.config), getattr(task, "_metric_fn_list", {})]):
+                module = sys.modules.get(getattr(fn, "__module__", None) or "")
+                name = getattr(module, "__name__", "")
+                if module is not None and (name.startswith("lm_eval.tasks.") or os.sep in name):
+                    found[name] = module
+        return [found[n] for n in sorted(found)]
 
     def restricted(self, keys: Collection[tuple]) -> "LmEvalTask":
         only = keys if self.only is None else self.only & frozenset(keys)
@@ -336,6 +352,16 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+def _callables(value: Any, depth: int = 0) -> Iterator[Any]:
+    """The functions inside a task's configuration and its metric table (dicts and lists of them, as
+    the YAML's `!function` fields, metric_list and filter_list hold them)."""
+    if inspect.isfunction(value) or inspect.ismethod(value):
+        yield value
+    elif depth < 6 and isinstance(value, (dict, list, tuple)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _callables(item, depth + 1)
 
 
 def _hook_files(config: Any) -> set[str]:
