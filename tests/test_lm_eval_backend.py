@@ -59,7 +59,9 @@ def reference(tiny_model_dir, include_path):
     return get
 
 
-@pytest.mark.parametrize("task,shots", REFERENCE_CASES)
+# NOTE: in the reverse of test_lm_eval_tasks.py's order: run beside it on another xdist worker, each file computes
+# half of the lm-eval references and reads the other half back (tests/reference_cache.py).
+@pytest.mark.parametrize("task,shots", REFERENCE_CASES[::-1])
 def test_simple_evaluate_equals_lm_eval_hf(tiny_model_dir, include_path, reference, task, shots):
     if task.startswith("mmlu") and not MMLU_DIR.is_dir():
         pytest.skip(f"no MMLU data at {MMLU_DIR}")

@@ -26,7 +26,7 @@ from evalrun.tasks.humaneval_data import load_humaneval  # noqa: E402
 from evalrun.tasks.lm_eval_code import SandboxedCodeEval, code_eval_in_sandbox, free_names  # noqa: E402
 from lm_eval_fixtures import write_code_tasks  # noqa: E402
 
-PROBLEMS = load_humaneval().problems[:24]
+PROBLEMS = load_humaneval().problems[:16]
 
 MBPP_SHAPED = [   # (candidate, test): asserts on the candidate's functions, modules it imported, its values
     ("def remove_Occ(s, ch):\n    return s.replace(ch, '', 1)[::-1].replace(ch, '', 1)[::-1]\n",
