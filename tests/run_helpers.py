@@ -1,9 +1,10 @@
 """Comparing run directories: two runs of the same selection (merged shards, a --ray run) against a
 single-process one, row by row, but for the columns that belong to one process (evalrun merge's
-PER_RUN_COLUMNS: run_id, cached_tokens, exec_time)."""
+PER_RUN_COLUMNS: run_id, cached_tokens, exec_time); and the private network namespace Ray's tests run in."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -37,3 +38,14 @@ def sigkill_after_parts(cmd: list[str], out: Path, parts: int = 3, timeout: floa
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "samples.parquet").exists(), "run finished before it could be killed"
+
+
+# Ray binds the machine's address unless loopback is all there is (shared/FIELD_NOTES.md): its tests run the CLI in
+# a network namespace of its own, loopback up.
+IN_NETNS = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+
+
+def private_netns_works() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True).returncode == 0

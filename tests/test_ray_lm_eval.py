@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,19 +18,12 @@ pytest.importorskip("sacrebleu", reason="lm-eval's TaskManager imports sacrebleu
 from evalrun.commands.cli import main  # noqa: E402
 from evalrun.tasks.humaneval_data import load_humaneval  # noqa: E402
 from lm_eval_fixtures import write_code_tasks, write_fixture_tasks  # noqa: E402
-from tests.run_helpers import assert_same_rows  # noqa: E402
+from tests.run_helpers import IN_NETNS, assert_same_rows, private_netns_works  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-IN_NETNS = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
 
 
-def _private_netns_works() -> bool:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    return subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True).returncode == 0
-
-
-pytestmark = pytest.mark.skipif(not _private_netns_works(), reason="needs `unshare -n` and `ip` (root): every Ray "
+pytestmark = pytest.mark.skipif(not private_netns_works(), reason="needs `unshare -n` and `ip` (root): every Ray "
                                 "test runs in a private network namespace (shared/FIELD_NOTES.md)")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,18 +22,12 @@ from evalrun.commands.cli import main
 from evalrun.commands.merge import PER_RUN_SUMMARY_KEYS
 from evalrun.scale.ray_run import DELAY_ENV, FAIL_ENV, PAUSE_ENV
 from evalrun.results import stored_keys
-from tests.run_helpers import assert_same_rows
+from tests.run_helpers import IN_NETNS, assert_same_rows, private_netns_works
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install 'evalrun[ray]')")
 
 
-def _private_netns_works() -> bool:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    return subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"], capture_output=True).returncode == 0
-
-
-pytestmark = pytest.mark.skipif(not _private_netns_works(), reason="needs `unshare -n` and `ip` (root): every Ray "
+pytestmark = pytest.mark.skipif(not private_netns_works(), reason="needs `unshare -n` and `ip` (root): every Ray "
                                 "test runs in a private network namespace (shared/FIELD_NOTES.md)")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +35,6 @@ FIXTURE = Path(__file__).resolve().parent / "data" / "mmlu"
 QUESTIONS = 40
 MMLU_KEYS = ["subject", "doc_id"]
 HE_KEYS = ["task_id", "sample_idx"]
-IN_NETNS = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
 WAIT = 120                                     # seconds: no wait in these tests is unbounded
 
 
