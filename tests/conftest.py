@@ -44,23 +44,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(cpus, int(mem_gib // 4), 8))
 
 
-# The files that take longest (serial seconds of `pytest --durations=0` on a 2-core Zen 3, 2026-12-07), longest
-# first: collected first, so that xdist's --dist loadfile, which hands out files in collection order, starts them
-# first instead of leaving one of them for the end while the other workers idle. A file not named keeps its place
-# after them; a stale entry only costs balance.
-LONGEST_FIRST = ("test_ray_run.py", "test_chat_tasks.py", "test_triton_variants.py", "test_triton_engine.py",
-                 "test_draft_model.py", "test_lm_eval_tasks.py", "test_humaneval.py", "test_model_families.py",
-                 "test_lm_eval_backend.py", "test_lm_eval_backend_chat.py", "test_mmlu.py",
-                 "test_chat_template_safety.py", "test_gguf.py", "test_generator_equivalence.py",
-                 "test_humaneval_instruct.py", "test_lm_eval_stderr.py", "test_sandbox_leftovers.py",
-                 "test_speculative.py", "test_packaging.py", "test_hostile_models.py", "test_triton_kernels.py",
-                 "test_lm_eval_code.py", "test_model.py", "test_ray_lm_eval.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
