@@ -30,7 +30,7 @@ from collections import Counter, defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
-from .passk import pass_at_k
+from .passk import summarize_pass_at_k
 from .sandbox import CheckSpec, ExecResult, Sandbox, SandboxLimits
 
 CODE_EVAL_PATHS = ("code_eval", "evaluate-metric/code_eval")
@@ -138,11 +138,9 @@ class SandboxedCodeEval:
             text = result_text(future.result())
             results[task_id].append((completion_id, {"task_id": task_id, "passed": text == "passed",
                                                      "result": text, "completion_id": completion_id}))
-        counts = [(len(r), sum(x[1]["passed"] for x in r)) for r in results.values()]
-        ks = list(k) if isinstance(k, (list, tuple)) else [k]
-        scores = {f"pass@{kk}": sum(pass_at_k(n, c, kk) for n, c in counts) / len(counts)
-                  for kk in ks if counts and all(n >= kk for n, _ in counts)}
-        return scores, results
+        counts = {t: (len(r), sum(x[1]["passed"] for x in r)) for t, r in results.items()}
+        _, overall = summarize_pass_at_k(counts, list(k) if isinstance(k, (list, tuple)) else [k])
+        return {key: v for key, v in overall.items() if not key.endswith("_stderr")}, results
 
     def close(self) -> None:
         with self._lock:
