@@ -4,7 +4,8 @@ traceback, within 10 s (SIGKILL after) and under 1 GB of peak RSS (the child's o
 os.wait4); files are read with O_NOFOLLOW semantics (a link out of the model directory is refused,
 a hub cache's links into its own blobs/ are not); a memory failure is one line, never a hang.
 The hostile variants run as forks of one interpreter that imported the CLI (tests/forked_cli.py:
-their seconds include its import time, their RSS its imports); the other runs are fresh processes.
+their 10 s are their own, after the imports; their RSS counts the imports); the other runs are
+fresh processes.
 """
 from __future__ import annotations
 
