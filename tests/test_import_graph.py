@@ -16,7 +16,7 @@ from typing import Dict, List, Set, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "evalrun"
 # Imported inside functions only: optional dependencies (an extra, or a GPU stack), loaded where used.
-OPTIONAL = {"ray", "triton", "flash_attn", "transformers", "gguf",
+OPTIONAL = {"ray", "triton", "flash_attn", "transformers", "gguf", "simde_py",
             # the hub path only: a run from local files never pays their import
             "datasets", "huggingface_hub",
             # the HTML report only (`compare --format html`): 0.45 s of import no other command pays

@@ -7,6 +7,12 @@ the source, the flags and the CPU's flags, written atomically so parallel proces
 can share it. Without a compiler, or with `EVALRUN_NATIVE=0`, `load()` returns None and
 callers use their torch reference.
 
+With `EVALRUN_NATIVE_EMULATE=avx512_bf16` (host.py) the kernels are built for an AVX-512 BF16 CPU
+on SIMDe's portable intrinsics (the `simde-py` package's headers; csrc/emulate_avx512.h), at -O1
+(the same bits: no -ffast-math, and -std=c11 turns FP contraction off): their AVX-512 paths are
+then checked on any x86 CPU with AVX2 (tests/test_emulated_avx512.py). Without SIMDe's headers
+the kernels are off (a warning says why) and callers use their torch reference.
+
 csrc/pool.c (the thread pool all kernels share, pool.h) is its own library, loaded first and
 with RTLD_GLOBAL so the kernel libraries resolve `evalrun_pool_run` to one pool: workers of
 separate pools would spin against each other on few cores.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -23,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from .host import cpu_flags_line
+from .host import EMULATE_ENV, cpu_flags_line, emulation
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,12 @@ def _build_and_load(name: str, mode: int = ctypes.RTLD_LOCAL) -> Optional[ctypes
         return None
     cpu = cpu_flags_line()
     flags = FLAGS if cpu is not None else [f for f in FLAGS if f != "-march=native"]
+    if name != POOL and emulation() is not None:
+        flags = emulation_flags(flags)
+        if flags is None:
+            log.warning("native kernel %s disabled: %s=%s needs SIMDe's headers (pip install simde-py)",
+                        name, EMULATE_ENV, emulation())
+            return None
     tmp: Optional[str] = None
     try:
         src = CSRC / f"{name}.c"
@@ -118,6 +131,18 @@ def _build_and_load(name: str, mode: int = ctypes.RTLD_LOCAL) -> Optional[ctypes
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def emulation_flags(flags: list[str]) -> Optional[list[str]]:
+    """`flags` for a build on SIMDe's emulated AVX-512 (see the module's text); None without
+    simde-py."""
+    try:
+        import simde_py
+        include, version = simde_py.get_include(), importlib.metadata.version("simde-py")
+    except (ImportError, importlib.metadata.PackageNotFoundError):
+        return None
+    return [("-O1" if f == "-O3" else f) for f in flags] + [       # the version: a new SIMDe is a new build
+        "-Wno-psabi", f"-DEVALRUN_SIMDE_PY={version}", f"-I{include}", "-include", str(CSRC / "emulate_avx512.h")]
 
 
 def _umask() -> int:

@@ -4,6 +4,7 @@
  * bf_ETILES [P][R] (bf_ctile without AVX-512). */
 #ifndef EVALRUN_GEMM_BF16_TILES_H
 #define EVALRUN_GEMM_BF16_TILES_H
+#include "isa.h"                  /* AS_BH512, PIN_ZMM */
 
 /* ---- the tiles: R rows (x0.., stride ldp pairs) by P panels (bp, bp + ps, ..; bp at pair k0) over
  * kn pairs from k0; sums start from 0 when `first`, else from carry [R][P * 16], and are left there. */
@@ -25,7 +26,7 @@ typedef void (*bf_TileFn)(const uint32_t *x0, int64_t ldp, const uint32_t *bp, i
 #if BF_NATIVE
 /* native: one vdpbf16ps per row, panel and pair */
 #define BF_NB(p) const __m512i b##p = P > p ? _mm512_loadu_si512(bp + p * ps) : _mm512_setzero_si512();
-#define BF_NF(r, p) if (P > p) c##r##p = _mm512_dpbf16_ps(c##r##p, (__m512bh)a_, (__m512bh)b##p);
+#define BF_NF(r, p) if (P > p) c##r##p = _mm512_dpbf16_ps(c##r##p, AS_BH512(a_), AS_BH512(b##p));
 #define BF_NROW(r)                                                                                   \
     if (R > r) {                                                                                  \
         const __m512i a_ = _mm512_set1_epi32((int)x##r[k]);                                       \

@@ -2,6 +2,7 @@
  * that file's Args, Window, SCRATCH and kv_load.h). Not a standalone header. */
 #ifndef EVALRUN_PAGED_DECODE_Z_H
 #define EVALRUN_PAGED_DECODE_Z_H
+#include "isa.h"                  /* AS_BH512, PIN_ZMM */
 #if defined(__AVX512F__)
 /* AVX-512 path for float pages (float32, bfloat16, float16) without a recent-token window, head
  * sizes that are a multiple of 16 up to 128 and up to 64 query heads; everything else takes
@@ -134,7 +135,7 @@ static inline __attribute__((always_inline)) void score_tile_dot(const int HG, c
         _Pragma("GCC unroll 4") for (int g = 0; g < HG; g++) {
             const __m512i qv = _mm512_maskz_loadu_epi16(lanes, qb + g * D + c);
             _Pragma("GCC unroll 4") for (int p = 0; p < 4; p++)
-                acc[g][p] = _mm512_dpbf16_ps(acc[g][p], (__m512bh)qv, (__m512bh)x[p]);
+                acc[g][p] = _mm512_dpbf16_ps(acc[g][p], AS_BH512(qv), AS_BH512(x[p]));
         }
     }
     _Pragma("GCC unroll 4") for (int g = 0; g < HG; g++)

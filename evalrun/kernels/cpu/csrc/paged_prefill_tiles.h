@@ -3,6 +3,7 @@
  * DV). Not a standalone header. */
 #ifndef EVALRUN_PAGED_PREFILL_TILES_H
 #define EVALRUN_PAGED_PREFILL_TILES_H
+#include "isa.h"                  /* AS_BH512, PIN_ZMM */
 /* sc[p][r] = (q_r . k_p) * scale for keys [p, p + np), np <= KP, and row vectors [v0, v0 + nv), nv <= RV:
  * qt [D][rp] the transposed rows. One chain over d per score. */
 static inline __attribute__((always_inline)) void score_tile(const float *qt, int64_t rp, const float *const *kr,
@@ -20,7 +21,7 @@ static inline __attribute__((always_inline)) void score_tile(const float *qt, in
         _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) {
             qv[i] = VLOAD(qp + i * VW);       /* one load per vector, not one per multiply-add: */
 #if VW == 16
-            __asm__("" : "+v"(qv[i]));
+            PIN_ZMM(qv[i]);
 #else                                           /* 12 sums + 3 rows + 1 key = the 16 ymm registers; on Zen 3
                                                    0.84-0.90x the time of loads folded into the 12 FMAs */
             __asm__("" : "+x"(qv[i]));
@@ -93,14 +94,14 @@ static inline __attribute__((always_inline)) void score_tile_dot(const uint32_t 
         __m512i qv[RV];
         _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv) {
             qv[i] = _mm512_loadu_si512(qp + i * VW);
-            __asm__("" : "+v"(qv[i]));             /* one load per vector, not one per dot */
+            PIN_ZMM(qv[i]);             /* one load per vector, not one per dot */
         }
         _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) if (j < np) {
             uint32_t pair;
             memcpy(&pair, k[j] + 2 * d2, sizeof pair);
             const __m512i b = _mm512_set1_epi32((int)pair);
             _Pragma("GCC unroll 3") for (int i = 0; i < RV; i++) if (i < nv)
-                a[j][i] = _mm512_dpbf16_ps(a[j][i], (__m512bh)qv[i], (__m512bh)b);
+                a[j][i] = _mm512_dpbf16_ps(a[j][i], AS_BH512(qv[i]), AS_BH512(b));
         }
     }
     _Pragma("GCC unroll 8") for (int j = 0; j < KP; j++) if (j < np)
