@@ -18,6 +18,7 @@ import torch
 
 from triton_setup import DEVICE, INTERPRET, check_interpreting, interpreter_scalars  # noqa: F401,E402
 
+from evalrun.demo import default_cache_dir  # noqa: E402
 from evalrun.kernels.cuda import triton_attention  # noqa: E402  (after TRITON_INTERPRET)
 from evalrun.kernels.backend import FlashAttnKernels, TorchKernels, TritonKernels, choose_kernels  # noqa: E402
 
@@ -151,13 +152,15 @@ print("compiled", built)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on a GPU the other tests compile and run every kernel")
-def test_kernels_compile_for_hopper(tmp_path):
+def test_kernels_compile_for_hopper():
     """Ahead-of-time compile (Triton's own LLVM and ptxas, no GPU needed) of the kernels at a
     7B-like shape for sm_90: what the interpreter cannot check (types, layouts, shared memory).
-    A fresh Triton cache, so nothing compiled earlier stands in. The kernels are shared out over
-    one process per core (each compile is single-threaded)."""
+    Triton's cache is kept between test runs in $EVALRUN_CACHE (~90 s of two cores saved): its key
+    is the kernel's source and what it calls, the signature, the constants, the target and Triton's
+    version, so a hit is a compile of this very code, and any change compiles afresh. The kernels
+    are shared out over one process per core (each compile is single-threaded)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(default_cache_dir() / "test-triton-sm90")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     parts = max(1, min(4, len(os.sched_getaffinity(0))))
     procs = [subprocess.Popen([sys.executable, "-c", COMPILE_SCRIPT, str(i), str(parts)], cwd=ROOT, env=env,
