@@ -77,6 +77,7 @@ def test_the_emulation_adds_its_flags_and_an_unknown_name_is_ignored(monkeypatch
     monkeypatch.setenv(EMULATE_ENV, "avx512_bf16")
     assert set(EMULATIONS["avx512_bf16"]) <= host.cpu_flags() and FLAGS <= host.cpu_flags()
     assert native.emulation_flags(native.FLAGS)[-1].endswith("emulate_avx512.h")
+    monkeypatch.setattr(host, "_warned", set())
     monkeypatch.setenv(EMULATE_ENV, "avx1024")
     assert host.emulation() is None and host.cpu_flags() == FLAGS
     assert "EVALRUN_NATIVE_EMULATE=avx1024 ignored" in caplog.text

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 EMULATE_ENV = "EVALRUN_NATIVE_EMULATE"
 # the emulations there are, and the flags each adds to the CPU's
 EMULATIONS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")}
+_warned: set[str] = set()
 
 
 def emulation() -> Optional[str]:
@@ -26,7 +27,9 @@ def emulation() -> Optional[str]:
     if not name:
         return None
     if name not in EMULATIONS:
-        log.warning("%s=%s ignored: the emulations are %s", EMULATE_ENV, name, ", ".join(EMULATIONS))
+        if name not in _warned:                 # once per name, not once per flags lookup
+            _warned.add(name)
+            log.warning("%s=%s ignored: the emulations are %s", EMULATE_ENV, name, ", ".join(EMULATIONS))
         return None
     line = _cpuinfo_flags_line()
     return name if line is not None and line.startswith("flags") and " avx2" in line else None
