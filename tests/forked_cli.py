@@ -7,11 +7,10 @@ One fresh interpreter imports `evalrun.commands.cli` once (as `python -m evalrun
 process settings first, then torch) and never computes anything itself; each run is a fork of it
 that calls `main(argv)` in a session of its own, its stderr to a file. A run reports its exit
 status (SIGKILLed, the whole session, at the deadline: -9), the seconds from the fork (the deadline
-bounds these: what the input makes the CLI do; the imports, paid once and timed apart as
-`imported_s`, are the same for every input and would only carry the machine's load into every
-run), and its peak RSS (wait4's ru_maxrss, which counts the imported interpreter it was forked
-from, as a fresh process's would count its imports). No OpenMP or native thread pool exists before a fork: the parent only
-imported. Tests that need a fresh exec (an RLIMIT set before the interpreter starts) keep their
+bounds these: what the input makes the CLI do; the imports, paid once, are the same for every input
+and would only carry the machine's load into every run), and its peak RSS (wait4's ru_maxrss,
+which counts the imported interpreter it was forked from, as a fresh process's would count its
+imports). No OpenMP or native thread pool exists before a fork: the parent only imported. Tests that need a fresh exec (an RLIMIT set before the interpreter starts) keep their
 own subprocess.
 """
 from __future__ import annotations
@@ -75,7 +74,7 @@ class ForkedCli:
     def __init__(self, cwd: Path, env: Optional[dict[str, str]] = None):
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER], cwd=cwd, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        self.imported_s = self._reply()["imported"]        # the imports are done
+        self._reply()                                     # the imports are done
 
     def _reply(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()

@@ -23,6 +23,11 @@ _warned: set[str] = set()
 def emulation() -> Optional[str]:
     """The emulated instruction set asked for by EVALRUN_NATIVE_EMULATE, or None (unset, empty, or
     not an x86 CPU; an unknown name is ignored with a warning)."""
+    return _emulation(_cpuinfo_flags_line()) if os.environ.get(EMULATE_ENV) else None
+
+
+def _emulation(line: Optional[str]) -> Optional[str]:
+    """emulation() for the CPU's feature line `line`."""
     name = os.environ.get(EMULATE_ENV, "")
     if not name:
         return None
@@ -31,7 +36,6 @@ def emulation() -> Optional[str]:
             _warned.add(name)
             log.warning("%s=%s ignored: the emulations are %s", EMULATE_ENV, name, ", ".join(EMULATIONS))
         return None
-    line = _cpuinfo_flags_line()
     return name if line is not None and line.startswith("flags") and " avx2" in line else None
 
 
@@ -49,7 +53,7 @@ def cpu_flags_line() -> Optional[str]:
     """The CPU's feature line ("flags ..." on x86, "Features ..." on Arm), or None; with an
     emulation (see the module's text), the emulated flags appended."""
     line = _cpuinfo_flags_line()
-    name = emulation()
+    name = _emulation(line)
     if line is None or name is None:
         return line
     have = set(line.partition(":")[2].split())

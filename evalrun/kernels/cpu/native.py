@@ -100,11 +100,12 @@ def _build_and_load(name: str, mode: int = ctypes.RTLD_LOCAL) -> Optional[ctypes
         return None
     cpu = cpu_flags_line()
     flags = FLAGS if cpu is not None else [f for f in FLAGS if f != "-march=native"]
-    if name != POOL and emulation() is not None:
+    emulated = emulation() if name != POOL else None
+    if emulated is not None:
         flags = emulation_flags(flags)
         if flags is None:
             log.warning("native kernel %s disabled: %s=%s needs SIMDe's headers (pip install simde-py)",
-                        name, EMULATE_ENV, emulation())
+                        name, EMULATE_ENV, emulated)
             return None
     tmp: Optional[str] = None
     try:
