@@ -28,6 +28,22 @@ def test_rms_norm_matches_torch(rows, hidden):
                                atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 13), (40, 2100), (300, 1024)])
+def test_rms_norm_to_bf16_is_the_float32_norm_rounded(rows, hidden):
+    """out_dtype bfloat16 (the rows the bf16 GEMM reads): bitwise the float32 norm rounded as torch
+    rounds, over rows longer than its staging chunk, odd widths and values down to the subnormals."""
+    _need_native()
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=g) * 4
+    w = torch.randn(hidden, generator=g)
+    w[: hidden // 3] *= 1e-38                                   # products in the float32 subnormal range
+    y = fused.rms_norm_native(x, w, 1e-5, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert torch.equal(y.view(torch.int16), fused.rms_norm_native(x, w, 1e-5).to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(ValueError, match="to float32 or bfloat16"):
+        fused.rms_norm_native(x, w, 1e-5, torch.float16)
+
+
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 11), (32, 1536), (300, 64), (2048, 96)])
 def test_silu_mul_matches_torch(rows, inter):
     _need_native()

@@ -159,6 +159,35 @@ def test_silu_epilogue_equals_the_two_calls(path, i, k, m):
     assert gemm_bf16.gemm_silu(x[:0], panels, i).shape == (0, i)
 
 
+@pytest.mark.parametrize("i,k,m", [(1536, 576, 32), (48, 40, 2), (32, 576, 65)])
+def test_silu_epilogue_to_bf16_is_the_float32_output_rounded(path, i, k, m):
+    """out_dtype bfloat16 (the rows the down projection's bf16 GEMM reads): bitwise the float32
+    epilogue's values rounded as torch rounds them."""
+    if not gemm_bf16.silu_fusable(i):
+        pytest.skip("the bf16 SiLU epilogue needs AVX-512 tiles")
+    w, x = _case(2 * i, k, m, seed=6, scale=3.0)
+    panels = gemm_bf16.pack(w)
+    out = gemm_bf16.gemm_silu(x, panels, i, torch.bfloat16)
+    assert _same(out, gemm_bf16.gemm_silu(x, panels, i).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out torch.float16"):
+        gemm_bf16.gemm_silu(x, panels, i, torch.float16)
+
+
+@pytest.mark.parametrize("k", [576, 33])
+def test_bf16_rows_are_the_float32_rows_they_round(path, k):
+    """bfloat16 rows (read in place when K is even and the rows are contiguous, else copied) give
+    the bits of the float32 rows they are the rounding of: whole rows, a column slice (row stride
+    past K) and an odd K."""
+    n, m = 80, 37
+    w, x = _case(n, k, m, seed=k)
+    xb = x.to(torch.bfloat16)
+    panels = gemm_bf16.pack(w)
+    want = gemm_bf16.gemm(x, panels, n, out_dtype=torch.float32)
+    assert _same(gemm_bf16.gemm(xb, panels, n, out_dtype=torch.float32), want)
+    wide = torch.cat([xb, xb[:, :6]], dim=1)[:, :k]              # row stride k + 6
+    assert _same(gemm_bf16.gemm(wide, panels, n, out_dtype=torch.float32), want)
+
+
 def test_silu_epilogue_declines_what_it_does_not_fuse():
     w, x = _case(2 * 40, 16, 3)
     assert not gemm_bf16.silu_fusable(40)                  # I not a multiple of the 16-column panels

@@ -17,10 +17,10 @@ import torch
 from triton_setup import INTERPRET, interpreter_scalars  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
 from engine_helpers import greedy_jobs, make_generator, random_prompts, run_jobs
-from evalrun.engine import Model, PagedCache, kernel_backends
+from evalrun.engine import DynamicJob, Model, PagedCache, kernel_backends
 from evalrun.kernels import backend
 from evalrun.kernels.backend import NativeCpuKernels, PlanKey, TorchKernels, TritonKernels, choose_kernels
-from evalrun.kernels.cpu import gemm, paged_decode, paged_prefill
+from evalrun.kernels.cpu import gemm, gemm_bf16, paged_decode, paged_prefill
 from evalrun.kernels.ref import attention as ref_attention
 from evalrun.kernels.kv_format import KV_FORMATS
 from evalrun.kernels.ref.fused import rms_norm_reference
@@ -134,6 +134,32 @@ def test_plan_fields_follow_the_key():
     odd = NativeCpuKernels().plan(dataclasses.replace(key, head_dim=24))    # not a multiple of 16
     assert odd.names["prefill_attention"] == "torch-sdpa" and odd.names["decode_attention"] == "native-c"
     assert TorchKernels().plan(key).names["decode_step"] == "off"
+
+
+def test_rows_rounded_where_made_change_no_bit(tiny_kv32_dir):
+    """The native plan of a bf16 model on the bf16 GEMM rounds an input norm's rows (norm_in) and
+    the SiLU's output to bf16 where they are made, not in the GEMM that reads them: every prompt
+    log-probability and sampled logit bitwise as with float32 rows handed over."""
+    model = Model.load(tiny_kv32_dir, dtype="bfloat16")
+    if not NATIVE or model.layers[0].wqkv.kernel_name != "native-bf16":
+        pytest.skip("the native bf16 GEMM's plan does not run here (needs avx512_bf16)")
+    prompts = random_prompts(3, [5, 40, 19], model.config.vocab_size, seed=3)
+    runs = []
+    for rounded in (True, False):
+        gen = make_generator(model, max_tokens=512, page_size=16, mode="bf16")
+        plan = gen.cache.kernels
+        assert plan.norm_in is not None and plan.names["norm_in"].startswith("native-c")
+        if not rounded:
+            gen.cache.kernels = dataclasses.replace(plan, norm_in=None,
+                                                    gate_up_silu=backend._silu_epilogue(gemm_bf16.gemm_silu))
+        jobs = [DynamicJob(p, max_new_tokens=3, identifier=i, return_logits=True, score_from=1)
+                for i, p in enumerate(prompts)]
+        runs.append(run_jobs(gen, jobs))
+    for i in range(len(prompts)):
+        a, b = runs[0][i], runs[1][i]
+        assert torch.equal(a["all_logits"].view(torch.int32), b["all_logits"].view(torch.int32))
+        assert torch.equal(torch.as_tensor(a["prompt_logprobs"]).view(torch.int32),
+                           torch.as_tensor(b["prompt_logprobs"]).view(torch.int32))
 
 
 def test_triton_plan_records_graph_safety():

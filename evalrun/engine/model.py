@@ -230,7 +230,7 @@ class Model:
             for i, layer in enumerate(self.layers):
                 keep = rows if prune and i == last else None
                 x = self._attention(i, layer, x, *ropes[layer.rope], batch, cache, keep)   # x + attention
-                h = x if layer.post_norm is None else plan.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+                h = x if layer.post_norm is None else plan.input_norm(x, layer.post_norm, cfg.rms_norm_eps)
                 act = plan.gate_up_gelu(h, layer.w_gate_up) if cfg.hidden_act == "gelu_tanh" else \
                     plan.gate_up_silu(h, layer.w_gate_up)
                 x = self._add_output(x, act, layer.w_down, layer.mlp_out_norm, plan)
@@ -250,8 +250,8 @@ class Model:
                     plan: KernelPlan) -> torch.Tensor:
         """x + h @ w^T: the residual add fused into the projection, or (Gemma) x + norm(h @ w^T)."""
         if out_norm is None:
-            return linear(h, w, residual=x)
-        return x + plan.rms_norm(linear(h, w), out_norm, self.config.rms_norm_eps)
+            return linear(h, w, residual=x, out_dtype=x.dtype)
+        return x + plan.rms_norm(linear(h, w, out_dtype=x.dtype), out_norm, self.config.rms_norm_eps)
 
     def _decode_step(self, cache: "PagedCache") -> Optional[DecodeStep]:
         """The native decode step for this cache (kernels/cpu/decode_step.py), or None where its plan
@@ -281,8 +281,8 @@ class Model:
         cfg = self.config
         t = x.shape[0]
         plan = cache.kernels
-        h = x if layer.input_norm is None else plan.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-        qkv = linear(h, layer.wqkv)
+        h = x if layer.input_norm is None else plan.input_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        qkv = linear(h, layer.wqkv, out_dtype=x.dtype)
         if layer.q_norm is not None:
             qkv = self._qk_norm(qkv, layer, plan)
         kv = cache.layer(i)

@@ -16,6 +16,9 @@ the plan's ops with no check and no fallback; `KernelPlan.names` is what the run
                                                              such layers (the "variant" ones)
     rope_write_kv(qkv, cos, sin, hq, hkv, layer, slots)      -> q, k, v (k, v None where unused)
     rms_norm(x, w, eps) / head_norm(h, w, eps)               layer rows (model dtype) / the head's float32 rows
+    norm_in(x, w, eps)                                       rms_norm of rows only a linear reads (the
+                                                             native bf16 plan: rounded to bf16 once, as
+                                                             the bf16 GEMM would; None: rms_norm)
     gate_up_silu(h, gate_up) -> [T, I]                       silu(gate) * up of the fused projection
     gate_up_gelu(h, gate_up) -> [T, I]                       gelu_tanh(gate) * up (GeGLU: Gemma)
 
@@ -102,6 +105,11 @@ class KernelPlan:
     # to bf16 and accumulates in float32, and the element-wise ops run on the float32 rows
     stream_dtype: Optional[torch.dtype] = None
     gate_up_gelu: Optional[Callable[[torch.Tensor, Linear], torch.Tensor]] = None
+    norm_in: Optional[NormFn] = None
+
+    def input_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """The norm before a linear (an attention's or an MLP's input): norm_in where the plan has one."""
+        return (self.norm_in or self.rms_norm)(x, w, eps)
 
     def describe(self) -> dict[str, str]:
         """What runs each op (recorded in run manifests)."""
@@ -150,30 +158,40 @@ def _rope_write_native(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return q, None, None                 # a float cache: attention reads k, v from the pages
 
 
-def _gated(act_mul: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
-    """The fused gate/up projection, then act(gate) * up (silu_mul, gelu_tanh_mul)."""
+def _gated(act_mul: Callable[[torch.Tensor], torch.Tensor], rows: Optional[torch.dtype] = None
+           ) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
+    """The fused gate/up projection (its output in `rows`, default h's dtype), then act(gate) * up
+    (silu_mul, gelu_tanh_mul)."""
     def gate_up_act(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-        return act_mul(linear(h, gate_up))
+        return act_mul(linear(h, gate_up, out_dtype=rows))
     return gate_up_act
 
 
-def _silu_epilogue(gemm_silu: Callable[[torch.Tensor, torch.Tensor, int], Optional[torch.Tensor]]
+def _silu_epilogue(gemm_silu: Callable[..., Optional[torch.Tensor]], act: torch.dtype = torch.float32
                    ) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
     """The SiLU in a native GEMM's epilogue (kernels/cpu/gemm.py and gemm_bf16.py gemm_silu: the same
-    bits as the GEMM then silu_mul, without the [T, 2I] product); where that path declines (gemm.py:
-    one or two rows) or the projection has a bias (the epilogue adds none), those two calls."""
+    bits as the GEMM then silu_mul, without the [T, 2I] product; `act` bfloat16: rounded as the bf16
+    GEMM reading them rounds them); where that path declines (gemm.py: one or two rows) or the
+    projection has a bias (the epilogue adds none), those two calls (float32)."""
     def gate_up_silu(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-        out = None if gate_up.bias is not None else gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
-        return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up))
+        n = gate_up.weight.shape[0] // 2
+        out = None if gate_up.bias is not None else \
+            gemm_silu(h, gate_up.panels, n) if act == torch.float32 else gemm_silu(h, gate_up.panels, n, act)
+        return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up, out_dtype=torch.float32))
     return gate_up_silu
 
 
-_gate_up_silu_gemm, _gate_up_silu_bf16 = _silu_epilogue(gemm.gemm_silu), _silu_epilogue(gemm_bf16.gemm_silu)
+_gate_up_silu_gemm, _gate_up_silu_bf16 = _silu_epilogue(gemm.gemm_silu), _silu_epilogue(gemm_bf16.gemm_silu, torch.bfloat16)
 
 
 def _rms_norm_f32_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """The native RMSNorm of float32 rows with a bf16 model's weights (widened: exact)."""
     return native_fused.rms_norm_native(x, w if w.dtype == torch.float32 else w.float(), eps)
+
+
+def _rms_norm_to_bf16(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """_rms_norm_f32_rows rounded to bf16 in the norm: the rows the bf16 GEMM reads, in place."""
+    return native_fused.rms_norm_native(x, w if w.dtype == torch.float32 else w.float(), eps, torch.bfloat16)
 
 
 def _heads_fit(key: PlanKey) -> bool:
@@ -252,12 +270,13 @@ class NativeCpuKernels(TorchKernels):
             norm = _rms_norm_f32_rows if bf16_gemm else native_fused.rms_norm_native
         head = native_fused.rms_norm_native if fused_ok else rms_norm_reference
         silu = native_fused.silu_mul_native if fused_ok and f32 else silu_mul_reference
-        gate_up, names["gate_up_silu"] = _gated(silu), "native-c silu" if silu is not silu_mul_reference else "torch"
+        rows = torch.float32 if fused_ok and f32 else None          # what the native element-wise ops take
+        gate_up, names["gate_up_silu"] = _gated(silu, rows), "native-c silu" if silu is not silu_mul_reference else "torch"
         if fused_ok and f32 and key.linear == "native-gemm" and gemm.silu_fusable(key.intermediate_size):
             gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
         if fused_ok and f32 and key.linear == "native-bf16" and gemm_bf16.silu_fusable(key.intermediate_size):
             gate_up, names["gate_up_silu"] = _gate_up_silu_bf16, "native-bf16 silu epilogue"
-        gelu = _gated(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference)
+        gelu = _gated(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference, rows)
         if key.act == "gelu_tanh":
             names["gate_up_gelu"] = "native-c gelu_tanh" if fused_ok and f32 else "torch"
         names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
@@ -266,8 +285,12 @@ class NativeCpuKernels(TorchKernels):
                 and decode_step.available())
         names["decode_step"] = "native-c" if step else "off"
         names["stream"] = "float32" if bf16_gemm else names["stream"]
+        norm_in = None
+        if norm is _rms_norm_f32_rows and key.linear == "native-bf16":     # rows only the bf16 GEMM reads
+            norm_in, names["norm_in"] = _rms_norm_to_bf16, "native-c, rounded to bf16"
         return KernelPlan(self.name, write, copy_page_prefix_torch, _attention(decode, rotation, prefill), rope,
-                          norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None, gelu)
+                          norm, head, gate_up, step, False, names, torch.float32 if bf16_gemm else None, gelu,
+                          norm_in)
 
 
 class TritonKernels(TorchKernels):

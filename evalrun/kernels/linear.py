@@ -127,6 +127,13 @@ def make_linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None, pack:
     return Linear(weight, bias)
 
 
-def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ w^T (+ b) (+ residual) through the kernel `lin` was packed for."""
-    return lin.kernel(x, lin, residual)
+def linear(x: torch.Tensor, lin: Linear, residual: Optional[torch.Tensor] = None,
+           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x @ w^T (+ b) (+ residual) through the kernel `lin` was packed for. out_dtype (default x's): the
+    result's dtype, where the rows come rounded for the bf16 GEMM (bfloat16) but the stream is float32;
+    other kernels take such rows widened (exact)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return lin.kernel(x, lin, residual)
+    if lin.kernel is linear_bf16:
+        return gemm_bf16.gemm(x, lin.panels, lin.weight.shape[0], lin.bias, residual, out_dtype)
+    return lin.kernel(x.to(out_dtype), lin, residual)

@@ -29,6 +29,7 @@ PARALLEL_ELEMENTS = 1 << 16          # below this a second thread costs more tha
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 SIGNATURES = {
     "rms_norm_f32": (_I32, [_P, _P, _P, _I32, _I32, ctypes.c_float, _I32]),
+    "rms_norm_f32_bf16": (_I32, [_P, _P, _P, _I32, _I32, ctypes.c_float, _I32]),
     "silu_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
     "gelu_tanh_mul_f32": (_I32, [_P, _P, _I32, _I32, _I32]),
     "argmax_rows_f32": (_I32, [_P, _I32, _I32, _P, _I32]),
@@ -71,15 +72,20 @@ def num_threads(elements: int, rows: int) -> int:
     return 1 if elements < PARALLEL_ELEMENTS else max(1, min(torch.get_num_threads(), rows, 64))
 
 
-def rms_norm_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_native(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """RMSNorm of float32 rows; out_dtype bfloat16: its values rounded to nearest even (the rows a bf16
+    GEMM reads, with the bits it would round them to)."""
     lib = _ready()
-    if lib is None or not supported(x) or w.dtype != torch.float32 or w.shape != (x.shape[1],):
-        raise ValueError(f"rms_norm_native takes float32 CPU rows [T, H] and weights [H], got {tuple(x.shape)} "
-                         f"{x.dtype} {x.device}, {tuple(w.shape)} {w.dtype}")
+    if (lib is None or not supported(x) or w.dtype != torch.float32 or w.shape != (x.shape[1],)
+            or out_dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"rms_norm_native takes float32 CPU rows [T, H] and weights [H] to float32 or bfloat16, "
+                         f"got {tuple(x.shape)} {x.dtype} {x.device}, {tuple(w.shape)} {w.dtype} to {out_dtype}")
     x, w = x.contiguous(), w.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype)
     t, h = x.shape
-    if lib.rms_norm_f32(x.data_ptr(), w.data_ptr(), out.data_ptr(), t, h, eps, num_threads(t * h, t)) != 0:
+    fn = lib.rms_norm_f32 if out_dtype == torch.float32 else lib.rms_norm_f32_bf16
+    if fn(x.data_ptr(), w.data_ptr(), out.data_ptr(), t, h, eps, num_threads(t * h, t)) != 0:
         raise ValueError(f"rms_norm_native cannot take shape {tuple(x.shape)}")
     return out
 

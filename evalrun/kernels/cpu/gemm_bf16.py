@@ -2,9 +2,11 @@
 
     pack(weight [N, K])                              -> panels: bf16 pairs of k in 16-column panels
     gemm(x [M, K], panels, N, bias, residual, out_dtype) -> residual + (bf16(x) @ W^T + bias)  [M, N]
-    gemm_silu(x [M, K], panels, I)                   -> silu(x Wg^T) * (x Wu^T)  [M, I] float32, or None
+    gemm_silu(x [M, K], panels, I, out_dtype)        -> silu(x Wg^T) * (x Wu^T)  [M, I] float32 (or bf16), or None
 
-x is float32 (rounded to bfloat16 in the call, to nearest even) or bfloat16; the products are
+x is float32 (rounded to bfloat16 in the call, to nearest even) or bfloat16 (rows of an even K read
+in place: a norm or gemm_silu that rounds its output to bfloat16 saves the call that rounding, with
+the same bits); the products are
 exact and accumulate in float32, one chain per output over the k pairs in `vdpbf16ps` order
 (the reference: kernels/ref/linear.py dot_bf16_reference), so a row's result is bitwise the same
 whatever the number of rows (batch invariance). On a CPU with AVX512_BF16 the tiles are that
@@ -37,6 +39,7 @@ SIGNATURES = {
     "gemm_bf16_set_path": (_I32, [_I32]),
     "gemm_bf16_amx_available": (_I32, []),
     "gemm_bf16_silu": (_I32, [_P, _I32, _I32, _I32, _I64, _P, _I32, _P, _I32]),
+    "gemm_bf16_silu_to": (_I32, [_P, _I32, _I32, _I32, _I64, _P, _I32, _P, _I32, _I32]),
     "gemm_bf16_silu_supported": (_I32, [_I32]),
 }
 PATHS = {2: "native", 1: "emulated", 3: "amx"}
@@ -154,20 +157,22 @@ def silu_fusable(i: int) -> bool:
     return lib is not None and i > 0 and bool(lib.gemm_bf16_silu_supported(i))
 
 
-def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int) -> Optional[torch.Tensor]:
-    """silu(bf16(x) @ W_gate^T) * (bf16(x) @ W_up^T) [M, I] float32 for a packed [gate | up] weight of
-    2I rows, in one pass (the [M, 2I] product is never written): bitwise silu_mul_native of `gemm`'s
-    float32 output. None where this path does not apply (`silu_fusable`): the caller makes the two
-    calls."""
-    lib, x = _rows(x, panels, 2 * i, "gemm_bf16.gemm_silu", True, f"I={i}")
+def gemm_silu(x: torch.Tensor, panels: torch.Tensor, i: int, out_dtype: torch.dtype = torch.float32
+              ) -> Optional[torch.Tensor]:
+    """silu(bf16(x) @ W_gate^T) * (bf16(x) @ W_up^T) [M, I] for a packed [gate | up] weight of 2I rows,
+    in one pass (the [M, 2I] product is never written): bitwise silu_mul_native of `gemm`'s float32
+    output, in out_dtype float32 or bfloat16 (those values rounded to nearest even: what a bf16 GEMM
+    reading them rounds them to). None where this path does not apply (`silu_fusable`): the caller
+    makes the two calls."""
+    lib, x = _rows(x, panels, 2 * i, "gemm_bf16.gemm_silu", out_dtype in OUT_DTYPES, f"I={i}, out {out_dtype}")
     if not lib.gemm_bf16_silu_supported(i):
         return None
     m, k = x.shape
-    out = torch.empty(m, i, dtype=torch.float32)
+    out = torch.empty(m, i, dtype=out_dtype)
     if m == 0:
         return out
-    rc = lib.gemm_bf16_silu(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, row_stride(x), panels.data_ptr(), i,
-                            out.data_ptr(), torch.get_num_threads())
+    rc = lib.gemm_bf16_silu_to(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, row_stride(x), panels.data_ptr(),
+                               i, out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"gemm_bf16.gemm_silu cannot take x {tuple(x.shape)} with I={i}")
     return out

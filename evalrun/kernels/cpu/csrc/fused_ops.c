@@ -1,6 +1,8 @@
 /* Fused element-wise ops of a transformer layer on the CPU, float32, one pass over the rows:
  *
  *   rms_norm(x [T, H], w [H]) -> out [T, H]      out = x / sqrt(mean(x^2) + eps) * w
+ *                                                (float32, or rounded to bfloat16 as bf16_from_f32:
+ *                                                the rows a bf16 GEMM reads, the same bits it rounds to)
  *   silu_mul(gu [T, 2I])      -> out [T, I]      out = silu(gu[:, :I]) * gu[:, I:]
  *   gelu_tanh_mul(gu [T, 2I]) -> out [T, I]      out = gelu_tanh(gu[:, :I]) * gu[:, I:] (GeGLU, Gemma)
  *   rope_write(qkv [T, (Hq + 2 Hkv) D])          q rotated -> [T, Hq, D] float32; k rotated and v
@@ -25,11 +27,12 @@
 #endif
 
 #define ROWS_PER_TASK 8
+#define BF16_ROW_CHUNK 1024        /* rms_norm to bfloat16: a row's float32 values staged this many at a time */
 
 typedef struct {
-    int op;                        /* 0 rms_norm, 1 silu_mul, 2 gelu_tanh_mul */
+    int op;                        /* 0 rms_norm, 1 silu_mul, 2 gelu_tanh_mul, 3 rms_norm to bfloat16 */
     const float *x, *w;
-    float *out;
+    void *out;
     int T, H;                      /* rows, columns of the output */
     float eps;
     atomic_int *next;
@@ -37,7 +40,8 @@ typedef struct {
 
 #include "simd_math.h"
 
-static void rms_row(const float *x, const float *w, float *out, int H, float eps) {
+/* 1 / sqrt(mean(x^2) + eps) of a row of H. */
+static float rms_scale(const float *x, int H, float eps) {
     int j = 0;
     float ss = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -52,14 +56,34 @@ static void rms_row(const float *x, const float *w, float *out, int H, float eps
     for (int i = 0; i < 8; i++) ss += lanes[i];
 #endif
     for (; j < H; j++) ss += x[j] * x[j];
-    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-    j = 0;
+    return 1.0f / sqrtf(ss / (float)H + eps);
+}
+
+/* out[j] = x[j] * inv * w[j] for j < n (n a multiple of 8 past the vectors, or the row's end). */
+static void rms_scaled(const float *x, const float *w, float *out, int n, float inv) {
+    int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 iv = _mm256_set1_ps(inv);
-    for (; j + 8 <= H; j += 8)
+    for (; j + 8 <= n; j += 8)
         _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), iv), _mm256_loadu_ps(w + j)));
 #endif
-    for (; j < H; j++) out[j] = x[j] * inv * w[j];
+    for (; j < n; j++) out[j] = x[j] * inv * w[j];
+}
+
+static void rms_row(const float *x, const float *w, float *out, int H, float eps) {
+    rms_scaled(x, w, out, H, rms_scale(x, H, eps));
+}
+
+/* rms_row's values rounded to bfloat16, staged in chunks of BF16_ROW_CHUNK (a multiple of 8, so
+ * every value takes the same vector or scalar step as in rms_row). */
+static void rms_row_bf16(const float *x, const float *w, uint16_t *out, int H, float eps) {
+    float buf[BF16_ROW_CHUNK];
+    const float inv = rms_scale(x, H, eps);
+    for (int j0 = 0; j0 < H; j0 += BF16_ROW_CHUNK) {
+        const int n = H - j0 < BF16_ROW_CHUNK ? H - j0 : BF16_ROW_CHUNK;
+        rms_scaled(x + j0, w + j0, buf, n, inv);
+        store_bf16(buf, out + j0, n);
+    }
 }
 
 /* silu(g) * u with silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (never overflows). */
@@ -110,20 +134,23 @@ static void fused_worker(void *p, int tid, int nth) {
     (void)tid;
     (void)nth;
     const Task *t = (const Task *)p;
+    float *out = (float *)t->out;
     for (int r0 = atomic_fetch_add(t->next, ROWS_PER_TASK); r0 < t->T; r0 = atomic_fetch_add(t->next, ROWS_PER_TASK)) {
         const int r1 = r0 + ROWS_PER_TASK < t->T ? r0 + ROWS_PER_TASK : t->T;
         for (int r = r0; r < r1; r++) {
             if (t->op == 0)
-                rms_row(t->x + (int64_t)r * t->H, t->w, t->out + (int64_t)r * t->H, t->H, t->eps);
+                rms_row(t->x + (int64_t)r * t->H, t->w, out + (int64_t)r * t->H, t->H, t->eps);
+            else if (t->op == 3)
+                rms_row_bf16(t->x + (int64_t)r * t->H, t->w, (uint16_t *)t->out + (int64_t)r * t->H, t->H, t->eps);
             else if (t->op == 1)
-                silu_mul_row(t->x + (int64_t)r * 2 * t->H, t->out + (int64_t)r * t->H, t->H);
+                silu_mul_row(t->x + (int64_t)r * 2 * t->H, out + (int64_t)r * t->H, t->H);
             else
-                gelu_tanh_mul_row(t->x + (int64_t)r * 2 * t->H, t->out + (int64_t)r * t->H, t->H);
+                gelu_tanh_mul_row(t->x + (int64_t)r * 2 * t->H, out + (int64_t)r * t->H, t->H);
         }
     }
 }
 
-static int run(int op, const float *x, const float *w, float *out, int T, int H, float eps, int nthreads) {
+static int run(int op, const float *x, const float *w, void *out, int T, int H, float eps, int nthreads) {
     if (T < 0 || H < 1) return 1;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
@@ -135,6 +162,11 @@ static int run(int op, const float *x, const float *w, float *out, int T, int H,
 
 int rms_norm_f32(const float *x, const float *w, float *out, int T, int H, float eps, int nthreads) {
     return run(0, x, w, out, T, H, eps, nthreads);
+}
+
+/* rms_norm_f32's values rounded to bfloat16 (out [T, H] bf16 bits). */
+int rms_norm_f32_bf16(const float *x, const float *w, uint16_t *out, int T, int H, float eps, int nthreads) {
+    return run(3, x, w, out, T, H, eps, nthreads);
 }
 
 int silu_mul_f32(const float *gate_up, float *out, int T, int I, int nthreads) {
@@ -169,34 +201,6 @@ static inline uint16_t f16_from_f32(float f) {
     if (rem > half || (rem == half && (q & 1u))) q++;
     return (uint16_t)(sign | q);
 #endif
-}
-
-/* n float32 values -> n bfloat16 (the integer rounding above, 16 or 8 lanes at a time). */
-static void store_bf16(const float *src, uint16_t *dst, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512i bias16 = _mm512_set1_epi32(0x7fff), one16 = _mm512_set1_epi32(1), quiet16 = _mm512_set1_epi32(0x40);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 f = _mm512_loadu_ps(src + i);
-        const __m512i x = _mm512_castps_si512(f), hi = _mm512_srli_epi32(x, 16);
-        const __m512i up = _mm512_add_epi32(_mm512_add_epi32(x, bias16), _mm512_and_si512(hi, one16));
-        const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-        const __m512i r = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(up, 16), _mm512_or_si512(hi, quiet16));
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
-    }
-#endif
-#if defined(__AVX2__)
-    const __m256i bias8 = _mm256_set1_epi32(0x7fff), one8 = _mm256_set1_epi32(1), quiet8 = _mm256_set1_epi32(0x40);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 f = _mm256_loadu_ps(src + i);
-        const __m256i x = _mm256_castps_si256(f), hi = _mm256_srli_epi32(x, 16);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, bias8), _mm256_and_si256(hi, one8)), 16);
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet8), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-        const __m128i lo = _mm256_castsi256_si128(r), top = _mm256_extracti128_si256(r, 1);
-        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(lo, top));
-    }
-#endif
-    for (; i < n; i++) dst[i] = bf16_from_f32(src[i]);
 }
 
 /* n float32 values -> n float16 (the conversion instruction, round to nearest even). */

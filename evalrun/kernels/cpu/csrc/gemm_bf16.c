@@ -41,6 +41,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "kv_load.h"                  /* bf16_from_f32, store_bf16: rows and outputs rounded to bfloat16 */
 #include "pool.h"
 #include "simd_math.h"                 /* silu_mul8: gemm_bf16_silu's epilogue */
 
@@ -111,14 +112,6 @@ int gemm_bf16_pack(const uint16_t *w, int N, int K, uint16_t *out) {
     return 0;
 }
 
-/* float32 -> bfloat16 bits, round to nearest even (torch's rule; NaN stays a quiet NaN). */
-static inline uint16_t bf_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 typedef struct {
     const uint32_t *xp;              /* x as pairs [M][K2] (element 2i low, 2i+1 high) */
     const uint32_t *packed;          /* panels as dwords */
@@ -131,8 +124,9 @@ typedef struct {
     atomic_int next;
     int native;                      /* the path: 2 vdpbf16ps tiles, 1 emulated, 3 AMX */
     int pair;                        /* gemm_bf16_silu: the gate panels (I / 16; np is this), else 0 */
-    float *act;                      /* gemm_bf16_silu's output [M, I] */
+    void *act;                       /* gemm_bf16_silu's output [M, I], float32 or bfloat16 */
     int stream;                      /* float32 y written with non-temporal stores (see gemm_bf16) */
+    int act_bf16;                    /* gemm_bf16_silu: act rounded to bfloat16 (bf16_from_f32) */
 } bf_Gemm;
 
 static int bf_claim(bf_Gemm *g, int units, int *ub, int *ue) {
@@ -168,7 +162,7 @@ static void bf_epilogue(const bf_Gemm *g, int i0, int R, int p0, int P, const fl
             float v = a[j];
             if (b) v = v + b[j];
             if (res) v = res[j] + v;
-            if (g->y_bf16) ((uint16_t *)g->y)[at + j] = bf_to_bf16(v);
+            if (g->y_bf16) ((uint16_t *)g->y)[at + j] = bf16_from_f32(v);
             else ((float *)g->y)[at + j] = v;
         }
     }
@@ -185,11 +179,14 @@ static void bf_epilogue_silu(const bf_Gemm *g, int i0, int R, int p0, int P, con
     const int I = g->pair * BF_PW;
     const unsigned int csr = _mm_getcsr();
     if (g->native == 1) _mm_setcsr(bf_csr_caller);      /* the emulation's FTZ/DAZ are not silu_mul's */
+    float row[BF_FEW_P * BF_PW];
     for (int r = 0; r < R; r++) {
-        float *out = g->act + (int64_t)(i0 + r) * I + p0 * BF_PW;
+        const int64_t at = (int64_t)(i0 + r) * I + p0 * BF_PW;
+        float *out = g->act_bf16 ? row : (float *)g->act + at;
         const float *a = acc_g + r * P * BF_PW, *u = acc_u + r * P * BF_PW;
         for (int j = 0; j < P * BF_PW; j += 8)
             _mm256_storeu_ps(out + j, silu_mul8(_mm256_loadu_ps(a + j), _mm256_loadu_ps(u + j)));
+        if (g->act_bf16) store_bf16(row, (uint16_t *)g->act + at, P * BF_PW);
     }
     if (g->native == 1) _mm_setcsr(csr);
 #else
@@ -327,8 +324,7 @@ static void bf_to_pairs(const void *x, int x_bf16, int M, int K, int64_t ldx, ui
         if (x_bf16) {
             memcpy(dst, (const uint16_t *)x + (int64_t)m * ldx, (size_t)K * 2);
         } else {
-            const float *src = (const float *)x + (int64_t)m * ldx;
-            for (int k = 0; k < K; k++) dst[k] = bf_to_bf16(src[k]);
+            store_bf16((const float *)x + (int64_t)m * ldx, dst, K);
         }
         if (K & 1) dst[K] = 0;
     }
@@ -352,6 +348,13 @@ static uint32_t *bf_x_pairs(const void *x, int x_bf16, int M, int K, int64_t ldx
     return buf;
 }
 
+/* x as pairs: bfloat16 rows of an even K at a row stride of K are that layout already (read in
+ * place); other rows are converted into the thread's buffer. */
+static const uint32_t *bf_pairs_of(const void *x, int x_bf16, int M, int K, int64_t ldx) {
+    if (x_bf16 && K % 2 == 0 && ldx == K) return (const uint32_t *)x;
+    return bf_x_pairs(x, x_bf16, M, K, ldx);
+}
+
 static int bf_launch(bf_Gemm *g, int64_t work, int nthreads) {
     const int units = bf_units(g);
     int nth = nthreads < 1 ? 1 : nthreads;
@@ -367,7 +370,7 @@ int gemm_bf16(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16
               const float *bias, const float *residual, void *y, int y_bf16, int nthreads) {
     if (M < 0 || N < 1 || K < 1 || ldx < K) return 1;
     if (M == 0) return 0;
-    const uint32_t *xp = bf_x_pairs(x, x_bf16, M, K, ldx);
+    const uint32_t *xp = bf_pairs_of(x, x_bf16, M, K, ldx);
     if (!xp) return 1;
     bf_Gemm g = {xp, (const uint32_t *)packed, bias, residual, y, y_bf16, M, N, bf_n_pairs(K), (N + BF_PW - 1) / BF_PW,
               M <= 2 ? BF_FEW_P : BF_ZP, 1, 0, gemm_bf16_path(), 0, 0, 0};
@@ -382,19 +385,26 @@ int gemm_bf16(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16
  * input projection and its activation in one pass, the [M, 2I] product never written): each output
  * is silu_mul_f32 of gemm_bf16's own sums, so bitwise the same as the two calls. Returns 0; 2
  * (nothing done) where this path does not apply (no AVX-512, the AMX path, I not a multiple of 16:
- * the caller makes the two calls); 1 on invalid sizes or a failed allocation. */
+ * the caller makes the two calls); 1 on invalid sizes or a failed allocation. act_bf16: act holds
+ * bfloat16, each value silu_mul_f32's rounded as bf16_from_f32 (what a bf16 GEMM reading it rounds to). */
 int gemm_bf16_silu_supported(int I) {
     return BF_Z && I > 0 && I % BF_PW == 0 && gemm_bf16_path() != 3;
 }
 
-int gemm_bf16_silu(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16_t *packed, int I, float *act,
-                   int nthreads) {
+int gemm_bf16_silu_to(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16_t *packed, int I, void *act,
+                      int act_bf16, int nthreads) {
     if (M < 0 || I < 1 || K < 1 || ldx < K) return 1;
     if (!gemm_bf16_silu_supported(I)) return 2;
     if (M == 0) return 0;
-    const uint32_t *xp = bf_x_pairs(x, x_bf16, M, K, ldx);
+    const uint32_t *xp = bf_pairs_of(x, x_bf16, M, K, ldx);
     if (!xp) return 1;
     bf_Gemm g = {xp, (const uint32_t *)packed, 0, 0, 0, 0, M, 2 * I, bf_n_pairs(K), I / BF_PW,
-              M <= 2 ? BF_FEW_P : BF_ZP, 1, 0, gemm_bf16_path(), I / BF_PW, act, 0};
+              M <= 2 ? BF_FEW_P : BF_ZP, 1, 0, gemm_bf16_path(), I / BF_PW, act, 0, act_bf16 != 0};
     return bf_launch(&g, (int64_t)M * 2 * I * K, nthreads);   /* units: groups of gate panels */
+}
+
+/* gemm_bf16_silu_to with float32 act. */
+int gemm_bf16_silu(const void *x, int x_bf16, int M, int K, int64_t ldx, const uint16_t *packed, int I, float *act,
+                   int nthreads) {
+    return gemm_bf16_silu_to(x, x_bf16, M, K, ldx, packed, I, act, 0, nthreads);
 }

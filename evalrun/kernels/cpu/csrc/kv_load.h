@@ -34,6 +34,34 @@ static inline uint16_t bf16_from_f32(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+/* n float32 values -> n bfloat16 (bf16_from_f32's rounding, 16 or 8 lanes at a time). */
+static inline void store_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i bias16 = _mm512_set1_epi32(0x7fff), one16 = _mm512_set1_epi32(1), quiet16 = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 f = _mm512_loadu_ps(src + i);
+        const __m512i x = _mm512_castps_si512(f), hi = _mm512_srli_epi32(x, 16);
+        const __m512i up = _mm512_add_epi32(_mm512_add_epi32(x, bias16), _mm512_and_si512(hi, one16));
+        const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+        const __m512i r = _mm512_mask_blend_epi32(nan, _mm512_srli_epi32(up, 16), _mm512_or_si512(hi, quiet16));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+#if defined(__AVX2__)
+    const __m256i bias8 = _mm256_set1_epi32(0x7fff), one8 = _mm256_set1_epi32(1), quiet8 = _mm256_set1_epi32(0x40);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 f = _mm256_loadu_ps(src + i);
+        const __m256i x = _mm256_castps_si256(f), hi = _mm256_srli_epi32(x, 16);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, bias8), _mm256_and_si256(hi, one8)), 16);
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, quiet8), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+        const __m128i lo = _mm256_castsi256_si128(r), top = _mm256_extracti128_si256(r, 1);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm_packus_epi32(lo, top));
+    }
+#endif
+    for (; i < n; i++) dst[i] = bf16_from_f32(src[i]);
+}
+
 /* x[0 .. n) rounded to bfloat16 values in place (bf16_from_f32's rounding, kept as float32), in a
  * loop the compiler vectorizes. */
 static inline void round_bf16(float *x, int64_t n) {
