@@ -31,7 +31,8 @@ def test_builds_alternate_and_must_agree(tmp_path):
     # a copy of the source that rounds its rows differently gives other bits: refused, not timed
     planted = tmp_path / "gemm_bf16.c"
     text = ab_gemm_bf16.SOURCE.read_text()
-    assert "dst[k] = bf_to_bf16(src[k]);" in text
-    planted.write_text(text.replace("dst[k] = bf_to_bf16(src[k]);", "dst[k] = bf_to_bf16(2.0f * src[k]);"))
+    line = "store_bf16((const float *)x + (int64_t)m * ldx, dst, K);"
+    assert line in text
+    planted.write_text(text.replace(line, line + " dst[0] ^= 1;"))
     with pytest.raises(SystemExit, match="does not give the bits of base"):
         ab_gemm_bf16.main(["--variants", f"base=;planted=@{planted}", *args, "--out", str(tmp_path / "ab2.json")])

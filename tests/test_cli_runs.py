@@ -195,7 +195,8 @@ def test_manifest_matches_its_schema(tiny_model_dir, tmp_path):
     stamps += [r[k] for r in manifest["resumes"] for k in ("at", "end_time")]
     assert all(TIME.match(s) for s in stamps), stamps
     assert set(manifest["kernels"]) == {"backend", "linear", "lm_head", "kv_write", "decode_attention",   # the plan
-                                        "prefill_attention", "rope_write", "norm_act", "head_norm", "gate_up_silu",
+                                        "prefill_attention", "rope_write", "norm_act", "norm_in", "head_norm",
+                                        "gate_up_silu",
                                         "decode_step", "cuda_graphs", "stream"}
 
 

@@ -25,21 +25,13 @@ FILES = ["test_paged_decode_speedpath.py", "test_native_prefill.py", "test_gemm.
          "test_fused_ops.py", "test_decode_step.py"]
 
 
-def _simde() -> bool:
-    try:
-        import simde_py  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 pytestmark = [
     pytest.mark.skipif(set(EMULATIONS["avx512_bf16"]) <= FLAGS,
                        reason="the CPU has AVX-512 BF16: the kernel files run natively in the suite"),
     pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= FLAGS, reason="the emulation runs on x86 CPUs with AVX2, FMA and F16C"),
     pytest.mark.skipif(native.compiler() is None, reason="no C compiler: no native kernels to check"),
     pytest.mark.skipif(not native.enabled(), reason="EVALRUN_NATIVE=0: no native kernels to check"),
-    pytest.mark.skipif(not _simde(), reason="simde-py is not installed (pip install simde-py; the test extra has it)"),
+    pytest.mark.skipif(not native.simde_available(), reason="simde-py is not installed (pip install simde-py; the test extra has it)"),
 ]
 
 PROBE = """

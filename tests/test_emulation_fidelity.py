@@ -22,21 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = cpu_flags() or frozenset()
 
 
-def _simde() -> bool:
-    try:
-        import simde_py  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 pytestmark = [
     pytest.mark.skipif(not set(EMULATIONS["avx512_bf16"]) <= FLAGS,
                        reason="needs a CPU with AVX-512 BF16 to compare the emulation with (elsewhere "
                               "tests/test_emulated_avx512.py runs the kernel files under the emulation)"),
     pytest.mark.skipif(native.compiler() is None, reason="no C compiler: no native kernels to compare"),
     pytest.mark.skipif(not native.enabled(), reason="EVALRUN_NATIVE=0: no native kernels to compare"),
-    pytest.mark.skipif(not _simde(), reason="simde-py is not installed (pip install simde-py; the test extra has it)"),
+    pytest.mark.skipif(not native.simde_available(), reason="simde-py is not installed (pip install simde-py; the test extra has it)"),
 ]
 
 

@@ -210,7 +210,8 @@ class TorchKernels:
 
     def _resolve(self, key: PlanKey) -> KernelPlan:
         names = {"kv_write": "torch", "decode_attention": "torch", "prefill_attention": "torch-sdpa",
-                 "rope_write": "torch", "norm_act": "torch", "head_norm": "torch", "gate_up_silu": "torch",
+                 "rope_write": "torch", "norm_act": "torch", "norm_in": "torch", "head_norm": "torch",
+                 "gate_up_silu": "torch",
                  "decode_step": "off", "cuda_graphs": "off", "stream": str(key.dtype).removeprefix("torch.")}
         _variant_names(key, names, "torch", "torch-sdpa")
         if key.act == "gelu_tanh":
@@ -279,7 +280,7 @@ class NativeCpuKernels(TorchKernels):
         gelu = _gated(native_fused.gelu_tanh_mul_native if fused_ok and f32 else gelu_tanh_mul_reference, rows)
         if key.act == "gelu_tanh":
             names["gate_up_gelu"] = "native-c gelu_tanh" if fused_ok and f32 else "torch"
-        names["norm_act"] = "native-c" if norm is not rms_norm_reference else "torch"
+        names["norm_act"] = names["norm_in"] = "native-c" if norm is not rms_norm_reference else "torch"
         names["head_norm"] = "native-c" if fused_ok else "torch"
         step = (fused_ok and f32 and key.linear in ("native-gemm", "native-bf16") and float_pages
                 and decode_step.available())
@@ -320,6 +321,7 @@ class TritonKernels(TorchKernels):
                 names["decode_attention"] = names["prefill_attention"] = "triton"
         _variant_names(key, names, names["decode_attention"], names["prefill_attention"])
         names["norm_act"], names["head_norm"] = "triton rms_norm, torch silu", "triton"
+        names["norm_in"] = "triton rms_norm"
         graphs = (write is not write_kv_torch and names["decode_attention"] == "triton" and not fmt.window
                   and not key.variants)       # the reference's variant decode reads the lengths on the host
         names["cuda_graphs"] = "on" if graphs else "off"

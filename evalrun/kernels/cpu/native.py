@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import shutil
@@ -132,6 +133,11 @@ def _build_and_load(name: str, mode: int = ctypes.RTLD_LOCAL) -> Optional[ctypes
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def simde_available() -> bool:
+    """Whether simde-py, the emulation's headers, is installed."""
+    return importlib.util.find_spec("simde_py") is not None
 
 
 def emulation_flags(flags: list[str]) -> Optional[list[str]]:
