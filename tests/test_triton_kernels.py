@@ -191,8 +191,8 @@ def test_quantized_write_matches_reference(mode, src_dtype, d):
 def test_backend_choice_describe_and_fallbacks():
     assert isinstance(choose_kernels("cuda"), TritonKernels)
     kernels = TritonKernels()
-    rest = {"rope_write": "torch", "head_norm": "triton", "gate_up_silu": "torch", "decode_step": "off",
-            "stream": "bfloat16"}
+    rest = {"rope_write": "torch", "norm_in": "triton rms_norm", "head_norm": "triton", "gate_up_silu": "torch",
+            "decode_step": "off", "stream": "bfloat16"}
     assert kernels.describe(KV_FORMATS["bf16"], torch.bfloat16) == {
         "kv_write": "triton", "decode_attention": "triton", "prefill_attention": "triton",
         "norm_act": "triton rms_norm, torch silu", "cuda_graphs": "on", **rest}
