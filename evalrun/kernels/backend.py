@@ -34,6 +34,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -167,21 +168,20 @@ def _gated(act_mul: Callable[[torch.Tensor], torch.Tensor], rows: Optional[torch
     return gate_up_act
 
 
-def _silu_epilogue(gemm_silu: Callable[..., Optional[torch.Tensor]], act: torch.dtype = torch.float32
+def _silu_epilogue(gemm_silu: Callable[[torch.Tensor, torch.Tensor, int], Optional[torch.Tensor]]
                    ) -> Callable[[torch.Tensor, Linear], torch.Tensor]:
     """The SiLU in a native GEMM's epilogue (kernels/cpu/gemm.py and gemm_bf16.py gemm_silu: the same
-    bits as the GEMM then silu_mul, without the [T, 2I] product; `act` bfloat16: rounded as the bf16
-    GEMM reading them rounds them); where that path declines (gemm.py: one or two rows) or the
-    projection has a bias (the epilogue adds none), those two calls (float32)."""
+    bits as the GEMM then silu_mul, without the [T, 2I] product); where that path declines (gemm.py:
+    one or two rows) or the projection has a bias (the epilogue adds none), those two calls (float32)."""
     def gate_up_silu(h: torch.Tensor, gate_up: Linear) -> torch.Tensor:
-        n = gate_up.weight.shape[0] // 2
-        out = None if gate_up.bias is not None else \
-            gemm_silu(h, gate_up.panels, n) if act == torch.float32 else gemm_silu(h, gate_up.panels, n, act)
+        out = None if gate_up.bias is not None else gemm_silu(h, gate_up.panels, gate_up.weight.shape[0] // 2)
         return out if out is not None else native_fused.silu_mul_native(linear(h, gate_up, out_dtype=torch.float32))
     return gate_up_silu
 
 
-_gate_up_silu_gemm, _gate_up_silu_bf16 = _silu_epilogue(gemm.gemm_silu), _silu_epilogue(gemm_bf16.gemm_silu, torch.bfloat16)
+# the bf16 plan's SiLU output is only read by the down projection's bf16 GEMM: rounded to bf16 as it would be
+_gate_up_silu_gemm = _silu_epilogue(gemm.gemm_silu)
+_gate_up_silu_bf16 = _silu_epilogue(partial(gemm_bf16.gemm_silu, out_dtype=torch.bfloat16))
 
 
 def _rms_norm_f32_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -272,7 +272,8 @@ class NativeCpuKernels(TorchKernels):
         head = native_fused.rms_norm_native if fused_ok else rms_norm_reference
         silu = native_fused.silu_mul_native if fused_ok and f32 else silu_mul_reference
         rows = torch.float32 if fused_ok and f32 else None          # what the native element-wise ops take
-        gate_up, names["gate_up_silu"] = _gated(silu, rows), "native-c silu" if silu is not silu_mul_reference else "torch"
+        gate_up = _gated(silu, rows)
+        names["gate_up_silu"] = "native-c silu" if silu is not silu_mul_reference else "torch"
         if fused_ok and f32 and key.linear == "native-gemm" and gemm.silu_fusable(key.intermediate_size):
             gate_up, names["gate_up_silu"] = _gate_up_silu_gemm, "native-gemm silu epilogue"
         if fused_ok and f32 and key.linear == "native-bf16" and gemm_bf16.silu_fusable(key.intermediate_size):

@@ -151,7 +151,8 @@ def emulation_flags(flags: list[str]) -> Optional[list[str]]:
     # -mno-avx512f: on a CPU that has AVX-512 too, SIMDe takes its portable code, not the instructions
     # (the build an AVX2 CPU makes; tests/test_emulation_fidelity.py compares it with the native one)
     return [("-O1" if f == "-O3" else f) for f in flags] + [       # the version: a new SIMDe is a new build
-        "-mno-avx512f", "-Wno-psabi", f"-DEVALRUN_SIMDE_PY={version}", f"-I{include}", "-include", str(CSRC / "emulate_avx512.h")]
+        "-mno-avx512f", "-Wno-psabi", f"-DEVALRUN_SIMDE_PY={version}", f"-I{include}",
+        "-include", str(CSRC / "emulate_avx512.h")]
 
 
 def _umask() -> int:
